@@ -1,0 +1,9 @@
+"""tf_hwopt: cheaper Keras/TensorFlow training on TPUs and GPUs."""
+
+from tf_hwopt._quiet import import_tensorflow_quietly as _import_tf
+
+_import_tf()
+
+from tf_hwopt import egeria  # noqa: E402
+
+__version__ = "0.1.0"

@@ -1,0 +1,115 @@
+"""Plasticity: how much a module's representation is still changing.
+
+Plasticity compares a module's output activation in the training model (T)
+with the same module's output in the quantized reference model (R), on a
+fixed probe batch, with the similarity-preserving (SP) knowledge-distillation
+loss of Tung and Mori (ICCV 2019). SP compares the *structure* of the batch's
+representations (which examples look alike), so it ignores the scale of an
+activation and most of R's quantization noise, and it rises when what the
+module computes really changes.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+_EPS = 1e-12
+
+
+def _normalized_gram(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    if a.ndim < 1 or a.shape[0] == 0:
+        raise ValueError(f"An activation needs a batch axis; got shape {a.shape}.")
+    flat = a.reshape(a.shape[0], -1)
+    gram = flat @ flat.T
+    norms = np.linalg.norm(gram, axis=1, keepdims=True)
+    return gram / np.maximum(norms, _EPS)
+
+
+def sp_loss(a, b) -> float:
+    """Similarity-preserving loss between two activations of the same batch.
+
+    Each activation is flattened to shape `(b, d)`; its Gram matrix
+    `G = A @ A.T` (`b x b`) is row-normalised to unit L2 norm; the loss is
+    `||G_a - G_b||_F^2 / b^2`. The feature sizes of `a` and `b` may differ;
+    the batch size may not.
+
+    Args:
+        a: activation of shape `(b, ...)` (NumPy array or tensor).
+        b: activation of shape `(b, ...)`.
+
+    Returns:
+        The loss as a Python float (computed in float64).
+
+    Example:
+    >>> x = np.random.rand(8, 4, 3)
+    >>> sp_loss(x, x)
+    0.0
+    >>> round(sp_loss(x, 5.0 * x), 12)
+    0.0
+    """
+    a = np.asarray(a)
+    b = np.asarray(b)
+    if a.shape[0] != b.shape[0]:
+        raise ValueError(
+            f"sp_loss needs activations of the same batch; got batch sizes "
+            f"{a.shape[0]} and {b.shape[0]}."
+        )
+    diff = _normalized_gram(a) - _normalized_gram(b)
+    return float(np.sum(diff * diff) / (a.shape[0] ** 2))
+
+
+def module_plasticity(
+    training_activations: Sequence, reference_activations: Sequence
+) -> list[float]:
+    """SP loss of each module's output, training model against reference."""
+    if len(training_activations) != len(reference_activations):
+        raise ValueError(
+            f"Got {len(training_activations)} training and "
+            f"{len(reference_activations)} reference activations; one per module expected."
+        )
+    return [sp_loss(t, r) for t, r in zip(training_activations, reference_activations)]
+
+
+class ActivationReader:
+    """Reads the output of chosen layers of a Keras 3 model on a batch.
+
+    Works for Functional, Sequential and subclassed models alike: while the
+    forward function is traced, a hook on each chosen layer's `call` records
+    its output, and the traced function returns those outputs. The trace is
+    reused afterwards (weights are read at run time, never copied).
+
+    Example:
+    >>> reader = ActivationReader(model, [m.output_layer for m in modules])
+    >>> activations = reader(probe_x)   # list of float32 NumPy arrays
+    """
+
+    def __init__(self, model, layers: Sequence):
+        import tensorflow as tf
+
+        from tf_hwopt._layer_hooks import hooked_calls
+
+        self._model = model
+        self._layers = list(layers)
+        captured: dict[int, object] = {}
+
+        def record(i, call, args, kwargs):
+            out = call(*args, **kwargs)
+            captured[i] = out
+            return out
+
+        def forward(x):
+            captured.clear()
+            with hooked_calls(self._layers, record):
+                model(x, training=False)
+            missing = [self._layers[i].name for i in range(len(self._layers)) if i not in captured]
+            if missing:
+                raise ValueError(f"Layers {missing} were not called by the model's forward pass.")
+            return [tf.cast(captured[i], tf.float32) for i in range(len(self._layers))]
+
+        self._forward = tf.function(forward, reduce_retracing=True)
+
+    def __call__(self, x) -> list[np.ndarray]:
+        return [np.asarray(a) for a in self._forward(x)]

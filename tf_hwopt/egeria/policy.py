@@ -1,0 +1,244 @@
+"""The freeze decision: a pure object fed with plasticity values.
+
+Egeria freezes the frontmost still-trainable module once its plasticity has
+stopped changing. `EgeriaPolicy` keeps, for every module, a sliding window of
+its last plasticity values; it fits a least-squares line to the window of the
+frontmost active module and calls the module converged when the slope,
+relative to the window's mean, stays within `tolerance` for `patience`
+consecutive evaluations. It never freezes during the bootstrap period (the
+critical learning period), never on NaN or on a window that is not yet full,
+never the head, never past `max_frozen_fraction` of the modules, and at most
+one module per evaluation. When `reopen_lr_factor` is set, a learning-rate
+drop by at least that factor since the last freeze re-opens every frozen
+module (the training dynamics change; they are re-evaluated).
+
+The policy holds no TensorFlow object: feed it numbers, get decisions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What the policy decided at one evaluation.
+
+    Attributes:
+        freeze: indices of modules to freeze now (front to back).
+        unfreeze: indices of modules to re-open now.
+        skipped: True when the evaluation was ignored (non-finite values).
+        reason: a human-readable reason when something happened.
+        window: the plasticity window that justified a freeze.
+        relative_slope: the relative slope of that window.
+    """
+
+    freeze: tuple = ()
+    unfreeze: tuple = ()
+    skipped: bool = False
+    reason: str = ""
+    window: tuple = ()
+    relative_slope: float | None = None
+
+
+def relative_slope(values: Sequence[float]) -> float:
+    """Least-squares slope of `values` (per step of x = 0, 1, ...) over their mean.
+
+    A module whose plasticity changes by 5% of its level per evaluation has a
+    relative slope of about +-0.05. Returns `inf` for fewer than 2 values or
+    a zero mean with a nonzero slope, and 0.0 for an all-zero window.
+
+    Example:
+    >>> relative_slope([2.0, 2.0, 2.0])
+    0.0
+    >>> relative_slope([1.0, 2.0, 3.0])
+    0.5
+    """
+    n = len(values)
+    if n < 2:
+        return math.inf
+    mean_x = (n - 1) / 2.0
+    mean_y = sum(values) / n
+    sxx = sum((i - mean_x) ** 2 for i in range(n))
+    sxy = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values))
+    slope = sxy / sxx
+    if mean_y == 0.0:
+        return 0.0 if slope == 0.0 else math.inf
+    return slope / abs(mean_y)
+
+
+def _positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+class EgeriaPolicy:
+    """Decides which module to freeze from a stream of plasticity values.
+
+    Args:
+        num_modules: number of modules, including the head (at least 2).
+        window: number of recent plasticity values the slope is fitted to.
+        tolerance: the largest |relative slope| per evaluation that counts as
+            converged (> 0).
+        patience: consecutive converged evaluations needed before a freeze.
+        bootstrap_steps: no freezing before this training step.
+        max_frozen_fraction: at most this fraction of all modules is frozen.
+        reopen_lr_factor: re-open all frozen modules when the learning rate
+            has fallen by this factor since the last freeze (`None`: never).
+
+    Example:
+    >>> policy = EgeriaPolicy(num_modules=4, window=3, patience=2, tolerance=0.05)
+    >>> for step, values in enumerate(stream):
+    ...     decision = policy.observe(step * 100, values)
+    ...     if decision.freeze:
+    ...         freeze(decision.freeze)
+    """
+
+    def __init__(
+        self,
+        num_modules: int,
+        *,
+        window: int = 5,
+        tolerance: float = 0.05,
+        patience: int = 2,
+        bootstrap_steps: int = 0,
+        max_frozen_fraction: float = 0.8,
+        reopen_lr_factor: float | None = None,
+    ):
+        if isinstance(num_modules, bool) or not isinstance(num_modules, int) or num_modules < 2:
+            raise ValueError(
+                f"`num_modules` must be an integer >= 2 (modules that can freeze plus "
+                f"the head). Received: num_modules={num_modules!r}"
+            )
+        _positive_int("window", window)
+        if window < 2:
+            raise ValueError(f"`window` must be at least 2 to fit a slope. Received: window={window}")
+        _positive_int("patience", patience)
+        if not isinstance(tolerance, (int, float)) or not tolerance > 0 or math.isinf(tolerance):
+            raise ValueError(f"`tolerance` must be a finite number > 0. Received: tolerance={tolerance!r}")
+        if isinstance(bootstrap_steps, bool) or not isinstance(bootstrap_steps, int) or bootstrap_steps < 0:
+            raise ValueError(
+                f"`bootstrap_steps` must be an integer >= 0. Received: bootstrap_steps={bootstrap_steps!r}"
+            )
+        if not isinstance(max_frozen_fraction, (int, float)) or not 0 < max_frozen_fraction <= 1:
+            raise ValueError(
+                "`max_frozen_fraction` must be in (0, 1]. "
+                f"Received: max_frozen_fraction={max_frozen_fraction!r}"
+            )
+        if reopen_lr_factor is not None and (
+            not isinstance(reopen_lr_factor, (int, float)) or not reopen_lr_factor > 1
+        ):
+            raise ValueError(
+                "`reopen_lr_factor` must be a number > 1 or None. "
+                f"Received: reopen_lr_factor={reopen_lr_factor!r}"
+            )
+        self.num_modules = num_modules
+        self.window = window
+        self.tolerance = float(tolerance)
+        self.patience = patience
+        self.bootstrap_steps = bootstrap_steps
+        self.max_frozen_fraction = float(max_frozen_fraction)
+        self.reopen_lr_factor = reopen_lr_factor
+        self.num_frozen = 0
+        self.evaluations = 0
+        self._windows = [collections.deque(maxlen=window) for _ in range(num_modules)]
+        self._stable = [0] * num_modules
+        self._lr_at_freeze: float | None = None
+
+    @property
+    def max_frozen(self) -> int:
+        """How many modules may be frozen at most (the head never is)."""
+        return min(self.num_modules - 1, int(math.floor(self.max_frozen_fraction * self.num_modules + 1e-9)))
+
+    def window_of(self, module: int) -> list[float]:
+        return list(self._windows[module])
+
+    def observe(
+        self, step: int, plasticity: Sequence[float], learning_rate: float | None = None
+    ) -> Decision:
+        """Feeds one evaluation: the plasticity of every module at `step`.
+
+        Values of frozen modules are ignored (pass anything, e.g. NaN).
+        """
+        if len(plasticity) != self.num_modules:
+            raise ValueError(
+                f"`plasticity` must have one value per module ({self.num_modules}); "
+                f"got {len(plasticity)}."
+            )
+        active = [float(v) for v in plasticity[self.num_frozen :]]
+        if not all(math.isfinite(v) for v in active):
+            return Decision(skipped=True, reason="non-finite plasticity; evaluation skipped")
+        self.evaluations += 1
+        if learning_rate is not None and self._lr_at_freeze is None:
+            self._lr_at_freeze = float(learning_rate)
+        if (
+            self.reopen_lr_factor is not None
+            and learning_rate is not None
+            and self.num_frozen > 0
+            and learning_rate * self.reopen_lr_factor <= self._lr_at_freeze * (1 + 1e-9)
+        ):
+            reopened = tuple(range(self.num_frozen))
+            reason = (
+                f"learning rate fell from {self._lr_at_freeze:g} to {learning_rate:g} "
+                f"(>= {self.reopen_lr_factor:g}x): re-opening modules {list(reopened)}"
+            )
+            self.num_frozen = 0
+            self._lr_at_freeze = float(learning_rate)
+            for w in self._windows:
+                w.clear()
+            self._stable = [0] * self.num_modules
+            return Decision(unfreeze=reopened, reason=reason)
+        for offset, value in enumerate(active):
+            self._windows[self.num_frozen + offset].append(value)
+        candidate = self.num_frozen
+        if candidate >= self.max_frozen or step < self.bootstrap_steps:
+            return Decision()
+        values = self._windows[candidate]
+        if len(values) < self.window:
+            return Decision()
+        slope = relative_slope(list(values))
+        if abs(slope) <= self.tolerance:
+            self._stable[candidate] += 1
+        else:
+            self._stable[candidate] = 0
+        if self._stable[candidate] < self.patience:
+            return Decision()
+        self.num_frozen += 1
+        if learning_rate is not None:
+            self._lr_at_freeze = float(learning_rate)
+        return Decision(
+            freeze=(candidate,),
+            reason=(
+                f"relative slope {slope:+.4f} within +-{self.tolerance:g} for "
+                f"{self.patience} evaluations"
+            ),
+            window=tuple(values),
+            relative_slope=slope,
+        )
+
+    def get_state(self) -> dict:
+        """A JSON-serialisable snapshot (for resuming)."""
+        return {
+            "num_modules": self.num_modules,
+            "num_frozen": self.num_frozen,
+            "evaluations": self.evaluations,
+            "windows": [list(w) for w in self._windows],
+            "stable": list(self._stable),
+            "lr_at_freeze": self._lr_at_freeze,
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Restores a snapshot made by `get_state`."""
+        if state.get("num_modules") != self.num_modules:
+            raise ValueError(
+                f"Egeria state is for {state.get('num_modules')} modules, but this model "
+                f"has {self.num_modules}; it was saved for a different model or partition."
+            )
+        self.num_frozen = int(state["num_frozen"])
+        self.evaluations = int(state["evaluations"])
+        self._windows = [collections.deque(w, maxlen=self.window) for w in state["windows"]]
+        self._stable = [int(s) for s in state["stable"]]
+        self._lr_at_freeze = state["lr_at_freeze"]

@@ -1,0 +1,499 @@
+"""The int8 reference model: a cheap, recent snapshot of the training model.
+
+Plasticity compares the training model with a *reference* that holds what the
+model knew a little while ago. Egeria keeps it quantized to int8 so that it is
+cheap, and evaluates it on the host CPU, off the training thread.
+
+Two ways to build it, tried in this order:
+
+``"tfmot"``
+    The Keras 3 model is rebuilt layer by layer as a tf_keras (Keras 2) model
+    (same layer classes; configs filtered to the arguments tf_keras accepts;
+    weights copied), checked to reproduce the Keras 3 model's outputs, then
+    quantized with the TensorFlow Model Optimization toolkit:
+    `quantize_apply` on a model whose supported layers are annotated (TFMOT's
+    default 8-bit registry, plus a kernel-and-output config for kernel layers
+    the registry lacks, such as `Conv1D`). Layers TFMOT cannot quantize stay
+    float with per-channel int8 weights. The quantizer ranges are calibrated
+    on the probe batch: weight ranges by TFMOT itself, activation ranges set
+    to the float activations' observed ranges.
+
+``"int8-weights"``
+    For models that cannot be rebuilt (subclassed models, custom layers,
+    `keras.ops` calls in the graph): a Keras 3 clone whose weights are
+    quantized per output channel, symmetric int8.
+
+`Reference.path` says which was taken and `Reference.reason` why.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import inspect
+import logging
+from typing import Sequence
+
+import numpy as np
+
+from tf_hwopt._quiet import import_tensorflow_quietly, import_tf_keras_quietly
+
+import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_hwopt.egeria.plasticity import ActivationReader  # noqa: E402
+
+logger = logging.getLogger("tf_hwopt.egeria")
+
+TFMOT_PATH = "tfmot"
+FALLBACK_PATH = "int8-weights"
+# The rebuilt tf_keras model must reproduce the Keras 3 model this closely.
+_REBUILD_RTOL = 1e-4
+
+
+class _NotRebuildable(Exception):
+    pass
+
+
+def quantize_int8_per_channel(w: np.ndarray) -> np.ndarray:
+    """Symmetric int8 fake quantization, one scale per output channel.
+
+    Arrays with fewer than 2 dimensions (biases, normalization parameters)
+    are returned unchanged. The last axis is the output channel.
+
+    Example:
+    >>> q = quantize_int8_per_channel(np.random.randn(3, 3, 8, 16))
+    >>> len(np.unique(q[..., 0])) <= 255
+    True
+    """
+    w = np.asarray(w)
+    if w.ndim < 2 or not np.issubdtype(w.dtype, np.floating):
+        return w
+    axes = tuple(range(w.ndim - 1))
+    scale = np.max(np.abs(w), axis=axes, keepdims=True) / 127.0
+    scale = np.where(scale == 0, 1.0, scale)
+    return (np.clip(np.round(w / scale), -127, 127) * scale).astype(w.dtype)
+
+
+# --------------------------------------------------------------------------
+# Keras 3 -> tf_keras rebuild
+# --------------------------------------------------------------------------
+
+_DROPPED_SUFFIXES = ("_initializer", "_regularizer", "_constraint")
+
+
+def _tf_keras_layer(layer, tf_keras):
+    cls_name = type(layer).__name__
+    if not type(layer).__module__.startswith("keras.src.layers"):
+        raise _NotRebuildable(f"layer {layer.name!r} is a custom class ({type(layer).__qualname__})")
+    cls = getattr(tf_keras.layers, cls_name, None)
+    if cls is None:
+        raise _NotRebuildable(f"tf_keras has no layer class {cls_name}")
+    config = layer.get_config()
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs"}
+    kept = {}
+    for key, value in config.items():
+        if key.endswith(_DROPPED_SUFFIXES) or key == "dtype":
+            continue
+        if key in accepted or key in ("name", "trainable"):
+            if isinstance(value, dict):
+                raise _NotRebuildable(f"layer {layer.name!r} has a serialized object in {key!r}")
+            kept[key] = value
+    try:
+        return cls(dtype="float32", **kept)
+    except Exception as err:  # noqa: BLE001 - any config mismatch means "cannot rebuild"
+        raise _NotRebuildable(f"layer {layer.name!r}: {err}") from err
+
+
+def _rebuild_tf_keras(model, tf_keras):
+    """Rebuilds a Functional or Sequential Keras 3 model as a tf_keras model."""
+    from tf_hwopt.egeria.modules import _graph_kind, _ordered_nodes
+
+    kind = _graph_kind(model)
+    if kind == "subclassed":
+        raise _NotRebuildable("subclassed model (no layer graph to rebuild)")
+    if kind == "sequential":
+        try:
+            inputs = model.inputs
+        except (AttributeError, ValueError):
+            inputs = None
+        if not inputs:
+            raise _NotRebuildable("Sequential model without an Input")
+        shape = tuple(inputs[0].shape[1:])
+        tk = tf_keras.Sequential(
+            [tf_keras.Input(shape, dtype=inputs[0].dtype)]
+            + [_tf_keras_layer(layer, tf_keras) for layer in model.layers]
+        )
+        return tk
+    tensors: dict[int, object] = {}
+    new_layers: dict[int, object] = {}
+    tk_inputs = []
+    for tensor in model.inputs:
+        t = tf_keras.Input(tuple(tensor.shape[1:]), dtype=tensor.dtype, name=tensor.name)
+        tensors[id(tensor)] = t
+        tk_inputs.append(t)
+    for node in _ordered_nodes(model):
+        op = node.operation
+        if isinstance(op, keras.layers.InputLayer):
+            continue
+        if not isinstance(op, keras.layers.Layer):
+            raise _NotRebuildable(f"the graph calls a non-layer operation ({type(op).__name__})")
+        if id(op) not in new_layers:
+            new_layers[id(op)] = _tf_keras_layer(op, tf_keras)
+        args = node.arguments
+
+        def convert(x):
+            if isinstance(x, keras.KerasTensor):
+                if id(x) not in tensors:
+                    raise _NotRebuildable("a tensor is used before it is produced")
+                return tensors[id(x)]
+            return x
+
+        call_args = keras.tree.map_structure(convert, list(args.args))
+        call_kwargs = keras.tree.map_structure(convert, dict(args.kwargs))
+        outputs = new_layers[id(op)](*call_args, **call_kwargs)
+        for old, new in zip(keras.tree.flatten(node.outputs), keras.tree.flatten(outputs)):
+            tensors[id(old)] = new
+    tk_outputs = keras.tree.map_structure(lambda t: tensors[id(t)], model.outputs)
+    return tf_keras.Model(tk_inputs, tk_outputs)
+
+
+def _snapshot(model) -> list[np.ndarray]:
+    """NumPy copies of all of the model's weights, in `model.weights` order."""
+    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+
+
+def _head(x, n=8):
+    """The first `n` examples of a batch (array, or list/dict of arrays)."""
+    return keras.tree.map_structure(lambda a: a[:n], x)
+
+
+def _set_layer_weights(layer, weights, quantize=False):
+    """Assigns float weights to `layer` (a plain layer or a TFMOT wrapper).
+
+    A TFMOT wrapper holds the wrapped layer's own variables (kernel, bias...)
+    next to its quantizer variables, which live under the wrapper's name.
+    """
+    if hasattr(layer, "quantize_config") and hasattr(layer, "layer"):
+        variables = [v for v in layer.weights if not v.name.startswith(layer.name + "/")]
+    else:
+        variables = layer.weights
+    if len(variables) != len(weights) or any(
+        tuple(v.shape) != tuple(np.shape(w)) for v, w in zip(variables, weights)
+    ):
+        raise _NotRebuildable(f"layer {layer.name!r} weights do not match in number or shape")
+    for variable, value in zip(variables, weights):
+        variable.assign(quantize_int8_per_channel(value) if quantize else value)
+
+
+def _kernel_quantize_config_class(tfmot):
+    """A QuantizeConfig for kernel layers TFMOT's registry lacks (Conv1D...)."""
+    quantizers = tfmot.quantization.keras.quantizers
+
+    class KernelQuantizeConfig(tfmot.quantization.keras.QuantizeConfig):
+        def get_weights_and_quantizers(self, layer):
+            return [
+                (
+                    layer.kernel,
+                    quantizers.LastValueQuantizer(
+                        num_bits=8, per_axis=False, symmetric=True, narrow_range=True
+                    ),
+                )
+            ]
+
+        def get_activations_and_quantizers(self, layer):
+            return []
+
+        def set_quantize_weights(self, layer, quantize_weights):
+            layer.kernel = quantize_weights[0]
+
+        def set_quantize_activations(self, layer, quantize_activations):
+            pass
+
+        def get_output_quantizers(self, layer):
+            return [
+                quantizers.MovingAverageQuantizer(
+                    num_bits=8, per_axis=False, symmetric=False, narrow_range=False
+                )
+            ]
+
+        def get_config(self):
+            return {}
+
+    return KernelQuantizeConfig
+
+
+class _TfmotReference:
+    path = TFMOT_PATH
+
+    def __init__(self, model, output_layers, probe_x, weights, expected):
+        tf_keras, tfmot = import_tf_keras_quietly()
+        from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (
+            default_8bit_quantize_registry as registry_lib,
+        )
+
+        with tf.device("/CPU:0"):
+            try:
+                tk = _rebuild_tf_keras(model, tf_keras)
+            except _NotRebuildable:
+                raise
+            except Exception as err:  # noqa: BLE001
+                raise _NotRebuildable(f"rebuild failed: {err}") from err
+            self._float = tk
+            index = {id(v): i for i, v in enumerate(model.weights)}
+            self._slices = {
+                layer.name: [index[id(v)] for v in layer.weights]
+                for layer in model.layers
+                if layer.weights
+            }
+            for name, w in self._by_layer(weights).items():
+                _set_layer_weights(tk.get_layer(name), w)
+            self._check_rebuild(tk, probe_x, expected, model.dtype_policy.compute_dtype)
+
+            registry = registry_lib.Default8BitQuantizeRegistry()
+            kernel_config = _kernel_quantize_config_class(tfmot)
+            annotate = tfmot.quantization.keras.quantize_annotate_layer
+            self.float_layers: list[str] = []
+
+            def clone_fn(layer):
+                clone = layer.__class__.from_config(layer.get_config())
+                if registry.supports(layer):
+                    return annotate(clone)
+                if hasattr(layer, "kernel") and isinstance(
+                    layer, (tf_keras.layers.Conv1D, tf_keras.layers.Conv3D)
+                ):
+                    return annotate(clone, quantize_config=kernel_config())
+                if any(len(w.shape) >= 2 for w in layer.weights):
+                    self.float_layers.append(layer.name)
+                return clone
+
+            annotated = tf_keras.models.clone_model(tk, clone_function=clone_fn)
+            with tfmot.quantization.keras.quantize_scope({"KernelQuantizeConfig": kernel_config}):
+                self._quantized = tfmot.quantization.keras.quantize_apply(annotated)
+            self._inner = {}
+            for layer in self._quantized.layers:
+                inner = getattr(layer, "layer", layer)
+                self._inner[inner.name] = (layer, inner)
+            self._reader = tf_keras.Model(
+                self._quantized.inputs,
+                [self._inner[layer.name][0].output for layer in output_layers],
+            )
+            self._calibration = self._calibration_plan(tf_keras)
+        self.reason = (
+            "rebuilt as tf_keras and quantized with TFMOT"
+            + (f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else "")
+        )
+
+    def _by_layer(self, weights: list) -> dict:
+        return {name: [weights[i] for i in idx] for name, idx in self._slices.items()}
+
+    @staticmethod
+    def _check_rebuild(tk, probe_x, expected, compute_dtype):
+        got = np.asarray(tk(_head(probe_x), training=False), np.float64)
+        want = np.asarray(expected, np.float64)
+        err = np.max(np.abs(want - got)) / max(np.max(np.abs(want)), 1e-12)
+        # bfloat16 compute in the training model carries ~3 significant digits.
+        tolerance = _REBUILD_RTOL if compute_dtype == "float32" else 5e-2
+        if not np.isfinite(err) or err > tolerance:
+            raise _NotRebuildable(
+                f"the rebuilt tf_keras model differs from the Keras 3 model (rel. error {err:.2e})"
+            )
+
+    def _calibration_plan(self, tf_keras):
+        """Pairs each activation-range variable with the float tensor it quantizes."""
+        plan = []  # (min_var, max_var, index of float tensor in self._float_probe outputs)
+        float_tensors = []
+        input_names = {t.name.split(":")[0] for t in self._float.inputs}
+        for layer in self._quantized.layers:
+            weight_quantizer_vars = set()
+            for _, _, qvars in getattr(layer, "_weight_vars", []):
+                weight_quantizer_vars.update(id(v) for v in qvars.values())
+            ranges = {}
+            for v in layer.non_trainable_weights:
+                short = v.name.split("/")[-1].split(":")[0]
+                if id(v) in weight_quantizer_vars or not short.endswith(("_min", "_max")):
+                    continue
+                ranges.setdefault(short[:-4], {})[short[-3:]] = v
+            if not ranges:
+                continue
+            inner = getattr(layer, "layer", None)
+            if inner is not None:
+                source = self._float.get_layer(inner.name).output
+            else:  # a QuantizeLayer quantizing a model input
+                producer = layer._inbound_nodes[0].inbound_layers
+                producer = producer[0] if isinstance(producer, list) else producer
+                source = self._float.get_layer(producer.name).output if producer.name not in input_names else self._float.inputs[0]
+            float_tensors.append(source)
+            for pair in ranges.values():
+                plan.append((pair["min"], pair["max"], len(float_tensors) - 1))
+        self._float_probe = tf_keras.Model(self._float.inputs, float_tensors) if float_tensors else None
+        return plan
+
+    def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
+        weights = self._by_layer(weights)
+        with tf.device("/CPU:0"):
+            for name, w in weights.items():
+                _set_layer_weights(self._float.get_layer(name), w)
+                layer, inner = self._inner[name]
+                _set_layer_weights(layer, w, quantize=name in self.float_layers)
+            # Weight ranges: TFMOT's LastValueQuantizer sets them in training
+            # mode; the call may move normalization statistics, so the weights
+            # are copied again afterwards.
+            self._quantized(_head(probe_x, 2), training=True)
+            for name, w in weights.items():
+                _set_layer_weights(self._inner[name][0], w, quantize=name in self.float_layers)
+            if self._float_probe is not None:
+                outs = self._float_probe(probe_x, training=False)
+                outs = outs if isinstance(outs, list) else [outs]
+                for min_var, max_var, i in self._calibration:
+                    a = np.asarray(outs[i])
+                    min_var.assign(min(float(a.min()), 0.0))
+                    max_var.assign(max(float(a.max()), 0.0))
+            acts = self._reader(probe_x, training=False)
+            acts = acts if isinstance(acts, list) else [acts]
+            return [np.asarray(a, np.float32) for a in acts]
+
+
+class _CloneReference:
+    path = FALLBACK_PATH
+    float_layers: list = []
+
+    def __init__(self, model, output_layers, probe_x, reason: str):
+        with tf.device("/CPU:0"):
+            clone = _clone(model, probe_x)
+            originals = list(model._flatten_layers(include_self=False))
+            clones = list(clone._flatten_layers(include_self=False))
+            if len(originals) != len(clones):
+                raise ValueError(
+                    f"Cannot build an int8 reference for model {model.name!r}: its clone "
+                    "has a different layer structure. Implement `get_config`/`from_config`."
+                )
+            index = {id(layer): i for i, layer in enumerate(originals)}
+            self._clone = clone
+            self._reader = ActivationReader(clone, [clones[index[id(layer)]] for layer in output_layers])
+        self.reason = f"fell back to a Keras 3 clone with per-channel int8 weights: {reason}"
+
+    def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
+        with tf.device("/CPU:0"):
+            for variable, value in zip(self._clone.weights, weights):
+                variable.assign(quantize_int8_per_channel(value))
+            return self._reader(probe_x)
+
+
+def _clone(model, probe_x):
+    """A structurally identical Keras 3 model (weights are assigned later)."""
+    attempts = [
+        ("clone_model", lambda: keras.models.clone_model(model)),
+        ("from_config", lambda: model.__class__.from_config(model.get_config())),
+        ("no-argument constructor", lambda: model.__class__()),
+    ]
+    errors = []
+    for label, make in attempts:
+        try:
+            clone = make()
+            clone(_head(probe_x, 1), training=False)
+        except Exception as err:  # noqa: BLE001 - try the next way
+            errors.append(f"{label}: {str(err).splitlines()[0][:200]}")
+            continue
+        if [tuple(v.shape) for v in clone.weights] == [tuple(v.shape) for v in model.weights]:
+            return clone
+        errors.append(f"{label}: the clone's weights differ in number or shape")
+    raise ValueError(
+        f"Cannot build a reference model for {model.name!r}: it can neither be "
+        f"rebuilt for TFMOT nor cloned ({'; '.join(errors)}). Give the model "
+        "`get_config`/`from_config` (or a constructor without required "
+        "arguments) so that Keras can clone it."
+    )
+
+
+class Reference:
+    """The int8 reference model, refreshed from the training model.
+
+    Args:
+        model: the Keras 3 training model.
+        output_layers: the layers whose outputs are the module boundaries.
+        probe_x: the fixed probe batch (inputs only).
+        asynchronous: build and evaluate on a background thread.
+
+    Attributes:
+        path: `"tfmot"` or `"int8-weights"`.
+        reason: why that path was taken.
+        float_layers: layers TFMOT left in float (int8 weights only).
+        refreshes: how many times the reference was refreshed.
+
+    Example:
+    >>> ref = Reference(model, [m.output_layer for m in modules], probe_x)
+    >>> ref.submit_refresh(model)          # snapshot now, quantize off-thread
+    >>> activations = ref.activations()    # waits only if not finished yet
+    """
+
+    def __init__(self, model, output_layers: Sequence, probe_x, *, asynchronous: bool = True):
+        self._probe_x = probe_x
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="egeria-reference")
+            if asynchronous
+            else None
+        )
+        # What the build needs from the live model is read now, on the
+        # training thread; the build itself runs off-thread.
+        weights = _snapshot(model)
+        expected = keras.ops.convert_to_numpy(model(_head(probe_x), training=False))
+        self._impl_future = self._run(self._build, model, list(output_layers), weights, expected)
+        self._future: concurrent.futures.Future | None = None
+        self.refreshes = 0
+
+    def _run(self, fn, *args) -> concurrent.futures.Future:
+        if self._executor is not None:
+            return self._executor.submit(fn, *args)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - re-raised by .result()
+            future.set_exception(err)
+        return future
+
+    def _build(self, model, output_layers, weights, expected):
+        try:
+            impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
+        except _NotRebuildable as err:
+            impl = _CloneReference(model, output_layers, self._probe_x, reason=str(err))
+        logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
+        return impl
+
+    @property
+    def _impl(self):
+        return self._impl_future.result()
+
+    @property
+    def path(self) -> str:
+        """`"tfmot"` or `"int8-weights"` (waits for the build)."""
+        return self._impl.path
+
+    @property
+    def reason(self) -> str:
+        return self._impl.reason
+
+    @property
+    def float_layers(self) -> list:
+        return list(self._impl.float_layers)
+
+    def submit_refresh(self, model) -> None:
+        """Snapshots `model`'s weights now; quantizes and evaluates them off-thread."""
+        weights = _snapshot(model)
+        self.refreshes += 1
+        self._future = self._run(lambda: self._impl.refresh(weights, self._probe_x))
+
+    def ready(self) -> bool:
+        """Whether a refresh has been submitted (its result may still be pending)."""
+        return self._future is not None
+
+    def activations(self) -> list[np.ndarray]:
+        """The reference's module outputs on the probe batch (latest refresh)."""
+        if self._future is None:
+            raise RuntimeError("The reference model has not been refreshed yet.")
+        return self._future.result()
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,106 @@
+"""Floating-point operation counts of a Keras model's forward pass.
+
+The count comes from TensorFlow's own graph profiler run on the traced
+forward function (batch size 1), so it covers every layer TensorFlow has a
+FLOP statistic for (matmuls, convolutions, element-wise ops). Each op is
+attributed to the outermost requested layer whose call produced it (a name
+scope marks each call while tracing), so nested layers count inside the
+layer that owns them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+from tf_hwopt._layer_hooks import hooked_calls
+from tf_hwopt._quiet import import_tensorflow_quietly
+
+import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_MARK = "hwoptlayer"
+_MARK_RE = re.compile(rf"^{_MARK}(\d+)(_\d+)?$")
+
+
+def _graph_float_ops(graph) -> dict[str, int]:
+    from tensorflow.python.profiler import model_analyzer, option_builder
+
+    options = (
+        option_builder.ProfileOptionBuilder(
+            option_builder.ProfileOptionBuilder.float_operation()
+        )
+        .with_empty_output()
+        .build()
+    )
+    profile = model_analyzer.profile(graph, options=options)
+    ops: dict[str, int] = {}
+
+    def walk(node):
+        for child in node.children:
+            if child.float_ops:
+                ops[child.name] = ops.get(child.name, 0) + int(child.float_ops)
+            walk(child)
+
+    walk(profile)
+    return ops
+
+
+def forward_flops_by_layer(
+    model: keras.Model, layer_names: Iterable[str], sample_input=None
+) -> dict[str, float]:
+    """Forward FLOPs per example of each named layer of `model`.
+
+    Args:
+        model: a built Keras model.
+        layer_names: the layers to attribute FLOPs to.
+        sample_input: one batch of inputs (any batch size), needed only when
+            the model has no symbolic inputs (subclassed models).
+
+    Returns:
+        A dict from layer name to FLOPs per example; layers with no counted
+        ops get 0. Ops outside every named layer are left out.
+
+    Example:
+    >>> flops = forward_flops_by_layer(model, [l.name for l in model.layers])
+    """
+    names = list(dict.fromkeys(layer_names))
+    by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
+    layers = [by_name[name] for name in names]
+    specs = _batch_one_specs(model, sample_input)
+
+    def scoped(i, call, args, kwargs):
+        with tf.name_scope(f"{_MARK}{i}"):
+            return call(*args, **kwargs)
+
+    fn = tf.function(lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False))
+    with hooked_calls(layers, scoped):
+        graph = fn.get_concrete_function(*specs).graph
+    counts = {name: 0.0 for name in names}
+    for op_name, value in _graph_float_ops(graph).items():
+        # The outermost marker on the path owns the op (nested layers count
+        # inside the layer that contains them).
+        for part in op_name.split("/"):
+            match = _MARK_RE.match(part)
+            if match:
+                counts[names[int(match.group(1))]] += value
+                break
+    return counts
+
+
+def _batch_one_specs(model, sample_input):
+    if sample_input is not None:
+        flat = keras.tree.flatten(sample_input)
+        return [tf.TensorSpec((1,) + tuple(x.shape[1:]), tf.as_dtype(x.dtype)) for x in flat]
+    try:
+        inputs = model.inputs
+    except (AttributeError, ValueError):
+        inputs = None
+    if not inputs:
+        raise ValueError(
+            f"Cannot count FLOPs of model {model.name!r}: it has no symbolic "
+            "inputs. Pass `sample_input`, one batch of its inputs."
+        )
+    return [tf.TensorSpec((1,) + tuple(t.shape[1:]), t.dtype) for t in inputs]
