@@ -113,3 +113,96 @@ class ActivationReader:
 
     def __call__(self, x) -> list[np.ndarray]:
         return [np.asarray(a) for a in self._forward(x)]
+
+
+def _num_examples(x) -> int:
+    sizes = {int(np.shape(a)[0]) for a in _flatten(x)}
+    if len(sizes) != 1:
+        raise ValueError(f"The inputs' first dimensions differ: {sorted(sizes)}.")
+    return sizes.pop()
+
+
+def _flatten(x):
+    if isinstance(x, dict):
+        return [a for k in sorted(x) for a in _flatten(x[k])]
+    if isinstance(x, (list, tuple)):
+        return [a for item in x for a in _flatten(item)]
+    return [x]
+
+
+def _map(fn, x):
+    if isinstance(x, dict):
+        return {k: _map(fn, v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map(fn, v) for v in x)
+    return fn(x)
+
+
+def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None):
+    """Draws the fixed probe batch (inputs only) from training data.
+
+    Args:
+        data: NumPy arrays or tensors (or a list/dict of them) of inputs, an
+            `(x, y[, sample_weight])` tuple of them, or a `tf.data.Dataset`
+            yielding `x` or `(x, y, ...)`.
+        size: number of examples in the probe batch.
+        seed: seed of the random choice among array examples. The choice uses
+            NumPy's own generator, so it never moves TensorFlow's random state
+            (the training data order stays what it would be without Egeria).
+        input_ndim: rank of the model's (first) input including the batch
+            axis, to tell batched from unbatched dataset elements.
+
+    Returns:
+        The probe inputs, with `size` examples.
+
+    Raises:
+        ValueError: `size` larger than the data, or data of an unsupported kind.
+    """
+    import tensorflow as tf
+
+    if isinstance(data, tf.data.Dataset):
+        return _probe_from_dataset(data, size, input_ndim)
+    if isinstance(data, tuple) and len(data) in (2, 3) and not isinstance(data[0], (int, float)):
+        data = data[0]  # (x, y[, sample_weight])
+    try:
+        data = _map(lambda a: np.asarray(a), data)
+        n = _num_examples(data)
+    except (TypeError, ValueError, IndexError) as err:
+        raise ValueError(
+            "Cannot draw Egeria's probe batch from training data of type "
+            f"{type(data).__name__}. Pass `probe_data=` (NumPy inputs or a "
+            "tf.data.Dataset) to EgeriaCallback."
+        ) from err
+    if size > n:
+        raise ValueError(
+            f"`probe_size`={size} is larger than the training data ({n} examples). "
+            "Pass a smaller probe_size."
+        )
+    idx = np.sort(np.random.RandomState(seed).choice(n, size, replace=False))
+    return _map(lambda a: a[idx], data)
+
+
+def _probe_from_dataset(dataset, size, input_ndim):
+    chunks, total = [], 0
+    for element in dataset:
+        x = element[0] if isinstance(element, tuple) else element
+        x = _map(lambda a: np.asarray(a), x)
+        first = _flatten(x)[0]
+        if input_ndim is not None and first.ndim == input_ndim - 1:
+            x = _map(lambda a: a[None], x)
+        chunks.append(x)
+        total += _num_examples(x)
+        if total >= size:
+            break
+    if total < size:
+        raise ValueError(
+            f"`probe_size`={size} is larger than the training data ({total} examples "
+            "in the dataset). Pass a smaller probe_size."
+        )
+    if isinstance(chunks[0], dict):
+        joined = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+    elif isinstance(chunks[0], (list, tuple)):
+        joined = type(chunks[0])(np.concatenate([c[i] for c in chunks]) for i in range(len(chunks[0])))
+    else:
+        joined = np.concatenate(chunks)
+    return _map(lambda a: a[:size], joined)

@@ -280,6 +280,10 @@ class _TfmotReference:
                 [self._inner[layer.name][0].output for layer in output_layers],
             )
             self._calibration = self._calibration_plan(tf_keras)
+            # Compiled once; a refresh only assigns variables and runs these.
+            self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True))
+            self._float_ranges = tf.function(lambda x: self._float_probe(x, training=False)) if self._float_probe is not None else None
+            self._read = tf.function(lambda x: self._reader(x, training=False))
         self.reason = (
             "rebuilt as tf_keras and quantized with TFMOT"
             + (f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else "")
@@ -340,17 +344,17 @@ class _TfmotReference:
             # Weight ranges: TFMOT's LastValueQuantizer sets them in training
             # mode; the call may move normalization statistics, so the weights
             # are copied again afterwards.
-            self._quantized(_head(probe_x, 2), training=True)
+            self._weight_ranges(_head(probe_x, 2))
             for name, w in weights.items():
                 _set_layer_weights(self._inner[name][0], w, quantize=name in self.float_layers)
-            if self._float_probe is not None:
-                outs = self._float_probe(probe_x, training=False)
+            if self._float_ranges is not None:
+                outs = self._float_ranges(probe_x)
                 outs = outs if isinstance(outs, list) else [outs]
                 for min_var, max_var, i in self._calibration:
                     a = np.asarray(outs[i])
                     min_var.assign(min(float(a.min()), 0.0))
                     max_var.assign(max(float(a.max()), 0.0))
-            acts = self._reader(probe_x, training=False)
+            acts = self._read(probe_x)
             acts = acts if isinstance(acts, list) else [acts]
             return [np.asarray(a, np.float32) for a in acts]
 

@@ -1,0 +1,524 @@
+"""`EgeriaCallback`: knowledge-guided layer freezing inside `model.fit`."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from typing import Sequence
+
+from tf_hwopt._quiet import import_tensorflow_quietly
+
+import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
+from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
+from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
+from tf_hwopt.egeria.policy import EgeriaPolicy  # noqa: E402
+from tf_hwopt.egeria.reference import Reference  # noqa: E402
+
+STATE_FILE = "egeria_state.json"
+_STATE_VERSION = 1
+_KEPT_SNAPSHOTS = 3
+
+
+def _check_positive_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def _timed(method):
+    """Adds the wall time spent in a callback hook to Egeria's overhead."""
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._egeria_seconds += time.perf_counter() - start
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+class EgeriaCallback(keras.callbacks.Callback):
+    """Freezes converged front modules during `model.fit` (Egeria, EuroSys 2023).
+
+    Every `eval_every` training steps the callback measures each module's
+    *plasticity*: the SP loss between its output on a fixed probe batch in the
+    training model and in an int8 reference model (built through TFMOT,
+    refreshed off-thread every `reference_refresh` evaluations). When the
+    plasticity of the frontmost still-trainable module has stopped changing
+    (least-squares slope over the last `window` values, relative to their
+    mean, within `tolerance` for `patience` evaluations), that module is
+    frozen: no backward pass, no weight update, no gradient all-reduce.
+
+    Add it first in the callback list, so that later callbacks (`CSVLogger`,
+    `TensorBoard`) see the `frozen_modules` entry it adds to the logs. At the
+    end of `fit` the model is handed back with every layer trainable as
+    before; `summary()` and `events` say what was frozen and when.
+
+    Args:
+        probe_data: data to draw the probe batch from (NumPy inputs, an
+            `(x, y)` tuple, or a `tf.data.Dataset`). Default: the `x` passed
+            to `fit`.
+        probe_size: examples in the probe batch.
+        modules: explicit partition, a list of lists of layer names front to
+            back (required for subclassed models). Default: automatic.
+        eval_every: steps between plasticity evaluations. Default: a quarter
+            of an epoch (200 steps if the epoch length is unknown).
+        window: plasticity values in the sliding window.
+        tolerance: largest |relative slope| per evaluation counted as converged.
+        patience: consecutive converged evaluations before a freeze.
+        bootstrap_steps: no freezing before this step (the critical learning
+            period). Default: 10% of the training steps, at least 1 epoch.
+        max_frozen_fraction: at most this fraction of modules freezes.
+        reopen_lr_factor: re-open frozen modules when the learning rate has
+            dropped by this factor since the last freeze (None: never).
+        reference_refresh: evaluations between reference-model refreshes.
+        asynchronous: build and run the reference model on a background
+            thread (on the CPU).
+        log_dir: if set, TensorBoard scalars are written there.
+        backup_dir: if set, Egeria's state is saved there at each epoch end
+            and restored when `fit` resumes (pass the `backup_dir` of your
+            `keras.callbacks.BackupAndRestore`).
+        seed: seed of the probe batch choice.
+        verbose: 1 prints each freeze, 0 is silent.
+
+    Example:
+    >>> egeria = tf_hwopt.EgeriaCallback()
+    >>> model.fit(x, y, epochs=20, callbacks=[egeria])
+    >>> egeria.summary()["frozen_modules"]
+    3
+    """
+
+    def __init__(
+        self,
+        probe_data=None,
+        *,
+        probe_size: int = 256,
+        modules: Sequence[Sequence[str]] | None = None,
+        eval_every: int | None = None,
+        window: int = 5,
+        tolerance: float = 0.1,
+        patience: int = 2,
+        bootstrap_steps: int | None = None,
+        max_frozen_fraction: float = 0.8,
+        reopen_lr_factor: float | None = None,
+        reference_refresh: int = 1,
+        asynchronous: bool = True,
+        log_dir: str | None = None,
+        backup_dir: str | None = None,
+        seed: int = 0,
+        verbose: int = 1,
+    ):
+        super().__init__()
+        _check_positive_int("probe_size", probe_size)
+        if probe_size < 2:
+            raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
+        _check_positive_int("eval_every", eval_every, allow_none=True)
+        _check_positive_int("reference_refresh", reference_refresh)
+        # The policy validates window, tolerance, patience, bootstrap and cap
+        # now, before any training: build a throwaway one.
+        EgeriaPolicy(
+            2,
+            window=window,
+            tolerance=tolerance,
+            patience=patience,
+            bootstrap_steps=0 if bootstrap_steps is None else bootstrap_steps,
+            max_frozen_fraction=max_frozen_fraction,
+            reopen_lr_factor=reopen_lr_factor,
+        )
+        if modules is not None and (isinstance(modules, (str, bytes)) or len(modules) < 2):
+            raise ValueError(
+                "`modules` must list at least 2 modules (lists of layer names), front "
+                f"to back; the last is the head, which never freezes. Received: modules={modules!r}"
+            )
+        self.probe_data = probe_data
+        self.probe_size = probe_size
+        self.module_names = modules
+        self.eval_every = eval_every
+        self.window = window
+        self.tolerance = tolerance
+        self.patience = patience
+        self.bootstrap_steps = bootstrap_steps
+        self.max_frozen_fraction = max_frozen_fraction
+        self.reopen_lr_factor = reopen_lr_factor
+        self.reference_refresh = reference_refresh
+        self.asynchronous = asynchronous
+        self.log_dir = log_dir
+        self.backup_dir = backup_dir
+        self.seed = seed
+        self.verbose = verbose
+
+        self.modules = None
+        self.policy: EgeriaPolicy | None = None
+        self.engine: FreezingEngine | None = None
+        self.reference: Reference | None = None
+        self.events: list[dict] = []
+        self.history: list[dict] = []
+        self.skipped_evaluations = 0
+        self._probe = None
+        self._reader = None
+        self._writer = None
+        self._step = 0
+        self._epoch = 0
+        self._last_batch = -1
+        self._next_eval = None
+        self._evaluations = 0
+        self._resume_checked = False
+        self._frozen_flops_steps = 0.0
+        self._egeria_seconds = 0.0
+        self._wall_start = None
+        self._wall_seconds = 0.0
+        self._final = None
+
+    # ------------------------------------------------------------------ setup
+
+    @_timed
+    def on_train_begin(self, logs=None):
+        self._wall_start = time.perf_counter()
+        model = self.model
+        if model.optimizer is None:
+            raise ValueError("EgeriaCallback needs a compiled model (call `model.compile` first).")
+        input_ndim = None
+        try:
+            input_ndim = len(model.inputs[0].shape)
+        except (AttributeError, ValueError, IndexError, TypeError):
+            pass
+        if self._probe is None:
+            data = self.probe_data if self.probe_data is not None else _fit_inputs(model)
+            self._probe = draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim)
+        fresh = self.policy is None
+        if fresh:
+            self.modules = partition_modules(model, self.module_names, sample_input=self._probe)
+            self.policy = self._make_policy()
+        self.engine = FreezingEngine(model, self.modules)
+        self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
+        if self.reference is None:
+            self.reference = Reference(
+                model, [m.output_layer for m in self.modules], self._probe, asynchronous=self.asynchronous
+            )
+        steps = self.params.get("steps") if self.params else None
+        if self.eval_every is None:
+            self._eval_every = max(1, steps // 4) if steps else 200
+        else:
+            self._eval_every = self.eval_every
+        self._next_eval = self._step + self._eval_every
+        if self.log_dir:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        if self.policy.num_frozen:  # a callback reused for another fit
+            self.engine.freeze_prefix(self.policy.num_frozen)
+        self._resume_checked = False
+
+    def _make_policy(self) -> EgeriaPolicy:
+        bootstrap = self.bootstrap_steps
+        if bootstrap is None:
+            steps = self.params.get("steps") if self.params else None
+            epochs = self.params.get("epochs") if self.params else None
+            bootstrap = max(steps, int(0.1 * steps * epochs)) if steps and epochs else 0
+        return EgeriaPolicy(
+            len(self.modules),
+            window=self.window,
+            tolerance=self.tolerance,
+            patience=self.patience,
+            bootstrap_steps=bootstrap,
+            max_frozen_fraction=self.max_frozen_fraction,
+            reopen_lr_factor=self.reopen_lr_factor,
+        )
+
+    # --------------------------------------------------------------- training
+
+    @_timed
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._last_batch = -1
+        if not self._resume_checked:
+            self._resume_checked = True
+            if epoch > 0 and self.backup_dir:
+                self._restore(epoch)
+
+    @_timed
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch - self._last_batch if batch > self._last_batch else batch + 1
+        self._last_batch = batch
+        self._step += done
+        share = self.engine.frozen_flops_fraction()
+        if share is not None:
+            self._frozen_flops_steps += share * done
+        if self._step >= self._next_eval:
+            self._evaluate()
+            while self._next_eval <= self._step:
+                self._next_eval += self._eval_every
+        if logs is not None:
+            logs["frozen_modules"] = self.engine.num_frozen
+
+    @_timed
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["frozen_modules"] = self.engine.num_frozen
+        if self.backup_dir:
+            self._save(epoch + 1)
+
+    @_timed
+    def on_train_end(self, logs=None):
+        self._wall_seconds += time.perf_counter() - self._wall_start
+        self._final = {
+            "frozen_modules": self.engine.num_frozen,
+            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
+        }
+        self.engine.restore()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _learning_rate(self) -> float | None:
+        try:
+            return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def _evaluate(self) -> None:
+        activations = self._reader(self._probe)
+        n = len(self.modules)
+        k = self.policy.num_frozen
+        plasticity = [math.nan] * n
+        if self.reference.ready():
+            reference = self.reference.activations()
+            for i in range(k, n):
+                plasticity[i] = sp_loss(activations[i], reference[i])
+            decision = self.policy.observe(self._step, plasticity, self._learning_rate())
+            self.history.append(
+                {
+                    "step": self._step,
+                    "epoch": self._epoch,
+                    "plasticity": [v if math.isfinite(v) else None for v in plasticity],
+                    "frozen": k,
+                }
+            )
+            self._apply(decision)
+        self._evaluations += 1
+        if (self._evaluations - 1) % self.reference_refresh == 0:
+            self.reference.submit_refresh(self.model)
+        if self._writer is not None:
+            with self._writer.as_default(step=self._step):
+                for i, value in enumerate(plasticity):
+                    if math.isfinite(value):
+                        tf.summary.scalar(f"egeria/plasticity/module_{i}", value)
+                tf.summary.scalar("egeria/frozen_modules", self.engine.num_frozen)
+
+    def _apply(self, decision) -> None:
+        if decision.skipped:
+            self.skipped_evaluations += 1
+            warnings.warn(
+                f"Egeria: non-finite plasticity at step {self._step}; this evaluation is "
+                "skipped and cannot lead to a freeze.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if decision.unfreeze:
+            self.engine.unfreeze(decision.unfreeze)
+            self._record("unfreeze", decision.unfreeze, decision)
+        if decision.freeze:
+            self.engine.freeze(decision.freeze)
+            self._record("freeze", decision.freeze, decision)
+
+    def _record(self, kind, indices, decision) -> None:
+        for i in indices:
+            event = {
+                "kind": kind,
+                "module": i,
+                "module_name": self.modules[i].name,
+                "step": self._step,
+                "epoch": self._epoch,
+                "window": [float(v) for v in decision.window],
+                "relative_slope": decision.relative_slope,
+                "reason": decision.reason,
+            }
+            self.events.append(event)
+            if self.verbose:
+                print(
+                    f"\nEgeria: {kind} module {i} ({self.modules[i].name}) at step "
+                    f"{self._step} (epoch {self._epoch + 1}): {decision.reason}",
+                    flush=True,
+                )
+
+    # ----------------------------------------------------------------- resume
+
+    def _state_path(self) -> str:
+        return os.path.join(self.backup_dir, STATE_FILE)
+
+    def _snapshot(self) -> dict:
+        return {
+            "policy": self.policy.get_state(),
+            "step": self._step,
+            "evaluations": self._evaluations,
+            "reference_refreshes": self.reference.refreshes,
+            "events": self.events,
+            "history": self.history,
+            "skipped_evaluations": self.skipped_evaluations,
+            "frozen_flops_steps": self._frozen_flops_steps,
+        }
+
+    def _read_state(self) -> dict | None:
+        path = self._state_path()
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            if state.get("version") != _STATE_VERSION or not isinstance(state.get("snapshots"), dict):
+                raise ValueError("unknown layout")
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"Egeria state file {path!r} is corrupted or not an Egeria state ({err}). "
+                "It was left untouched; move it away to restart Egeria's decisions from scratch."
+            ) from err
+        return state
+
+    def _save(self, next_epoch: int) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)
+        state = self._read_state() or {"version": _STATE_VERSION, "snapshots": {}}
+        state["num_modules"] = len(self.modules)
+        state["module_layers"] = [m.layer_names for m in self.modules]
+        state["snapshots"][str(next_epoch)] = self._snapshot()
+        keep = sorted(state["snapshots"], key=int)[-_KEPT_SNAPSHOTS:]
+        state["snapshots"] = {k: state["snapshots"][k] for k in keep}
+        # Atomic: a kill during the write leaves the previous file intact.
+        fd, tmp = tempfile.mkstemp(dir=self.backup_dir, prefix=".egeria_state.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._state_path())
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def _restore(self, epoch: int) -> None:
+        state = self._read_state()
+        if state is None:
+            warnings.warn(
+                f"Egeria: fit resumes at epoch {epoch + 1} but {self._state_path()!r} has no "
+                "Egeria state; freezing decisions start from scratch.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if state.get("module_layers") != [m.layer_names for m in self.modules]:
+            raise ValueError(
+                f"Egeria state file {self._state_path()!r} was saved for other modules "
+                f"({state.get('module_layers')}); this model's modules are "
+                f"{[m.layer_names for m in self.modules]}."
+            )
+        usable = [int(k) for k in state["snapshots"] if int(k) <= epoch]
+        if not usable:
+            return
+        snap = state["snapshots"][str(max(usable))]
+        self.policy.set_state(snap["policy"])
+        self._step = int(snap["step"])
+        self._evaluations = int(snap["evaluations"])
+        self.reference.refreshes = int(snap["reference_refreshes"])
+        self.events = list(snap["events"])
+        self.history = list(snap["history"])
+        self.skipped_evaluations = int(snap["skipped_evaluations"])
+        self._frozen_flops_steps = float(snap["frozen_flops_steps"])
+        self._next_eval = self._step + self._eval_every
+        self.engine.freeze_prefix(self.policy.num_frozen)
+        # The weights were restored by BackupAndRestore: refresh the reference
+        # from them so the next evaluation compares against this state.
+        self.reference.submit_refresh(self.model)
+        if self.verbose:
+            print(
+                f"Egeria: resumed at epoch {epoch + 1} with {self.policy.num_frozen} frozen module(s).",
+                flush=True,
+            )
+
+    # ----------------------------------------------------------------- report
+
+    @property
+    def num_frozen(self) -> int:
+        """Modules frozen now (during fit) or at the end of the last fit."""
+        if self.engine is not None and self._final is None:
+            return self.engine.num_frozen
+        return self._final["frozen_modules"] if self._final else 0
+
+    def summary(self) -> dict:
+        """What Egeria did, as a JSON-serialisable dict.
+
+        Keys: `reference_path` and `reference_reason`; `modules` (layers,
+        parameters, share of forward FLOPs); `frozen_modules` at the end;
+        `events`; `evaluations` and `skipped_evaluations`;
+        `backward_flops_skipped_fraction` (averaged over all training steps)
+        and `final_backward_flops_skipped_fraction`; `overhead_fraction`
+        (share of fit's wall time the training thread spent in Egeria code)
+        and the seconds behind it; `train_function_rebuilds`.
+        """
+        if self.modules is None:
+            raise RuntimeError("summary() is available once fit has started.")
+        total_flops = sum(m.flops or 0.0 for m in self.modules)
+        wall = self._wall_seconds or (
+            time.perf_counter() - self._wall_start if self._wall_start else 0.0
+        )
+        final = self._final or {
+            "frozen_modules": self.engine.num_frozen,
+            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
+        }
+        return {
+            "reference_path": self.reference.path,
+            "reference_reason": self.reference.reason,
+            "reference_refreshes": self.reference.refreshes,
+            "modules": [
+                {
+                    "index": m.index,
+                    "name": m.name,
+                    "layers": m.layer_names,
+                    "params": m.params,
+                    "flops_share": (m.flops / total_flops) if total_flops and m.flops is not None else None,
+                }
+                for m in self.modules
+            ],
+            "num_modules": len(self.modules),
+            "frozen_modules": final["frozen_modules"],
+            "events": self.events,
+            "steps": self._step,
+            "eval_every": getattr(self, "_eval_every", self.eval_every),
+            "evaluations": self._evaluations,
+            "skipped_evaluations": self.skipped_evaluations,
+            "backward_flops_skipped_fraction": (self._frozen_flops_steps / self._step) if self._step else 0.0,
+            "final_backward_flops_skipped_fraction": final["frozen_flops_fraction"],
+            "egeria_seconds": self._egeria_seconds,
+            "wall_seconds": wall,
+            "overhead_fraction": (self._egeria_seconds / wall) if wall else 0.0,
+            "train_function_rebuilds": self.engine.rebuilds,
+        }
+
+
+def _fit_inputs(model):
+    """The `x` given to the `fit` call that is running `model` now."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                x = frame.f_locals.get("x")
+                if x is not None:
+                    return x
+            frame = frame.f_back
+    finally:
+        del frame
+    raise ValueError(
+        "EgeriaCallback could not find the training data of this fit. Pass "
+        "`probe_data=` (training inputs or a tf.data.Dataset) to EgeriaCallback."
+    )

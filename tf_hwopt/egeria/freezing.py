@@ -1,0 +1,126 @@
+"""The freezing engine: the one place that freezes and re-opens modules.
+
+Every freezing policy (Egeria's plasticity policy, a fixed schedule, a
+gradient-norm rule) decides *which* modules to freeze; this engine does it.
+
+Freezing a module sets its layers' `trainable` to False and rebuilds the
+model's train function. The rebuild is not optional: Keras 3 traces the list
+of trainable variables into the compiled train step, so flipping `trainable`
+alone leaves the "frozen" weights updating. After the rebuild the frozen
+variables get no gradient, no optimizer update and, for BatchNormalization,
+no statistics update (a non-trainable BatchNormalization runs in inference
+mode), so they stay bit-identical. The optimizer's slots (momentum, Adam
+moments) are keyed by variable, so those of the other variables are
+untouched by the rebuild.
+
+Layers the user had already made non-trainable are never touched.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from tf_hwopt.egeria.modules import Module
+
+# Marks a layer frozen by tf_hwopt, so that a later engine (after an
+# interrupted fit) knows the layer was trainable before.
+_MARK = "_tf_hwopt_frozen"
+
+
+class FreezingEngine:
+    """Freezes and re-opens modules of a compiled Keras model.
+
+    Args:
+        model: the compiled Keras model.
+        modules: its modules, front to back.
+
+    Attributes:
+        listeners: callables `fn(kind, indices)` told after each change, with
+            `kind` in `{"freeze", "unfreeze"}` (e.g. an output cache).
+
+    Example:
+    >>> engine = FreezingEngine(model, partition_modules(model))
+    >>> engine.freeze([0])        # module 0 stops training from the next step
+    >>> engine.num_frozen
+    1
+    """
+
+    def __init__(self, model, modules: Sequence[Module]):
+        self.model = model
+        self.modules = list(modules)
+        self.frozen = [False] * len(self.modules)
+        self.listeners: list[Callable[[str, tuple], None]] = []
+        self.rebuilds = 0
+        # Whether each layer was trainable before tf_hwopt touched it.
+        self._was_trainable = {
+            id(layer): bool(layer.trainable or getattr(layer, _MARK, False))
+            for module in self.modules
+            for layer in module.layers
+        }
+
+    @property
+    def num_frozen(self) -> int:
+        return sum(self.frozen)
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Number of consecutive frozen modules from the front."""
+        k = 0
+        while k < len(self.frozen) and self.frozen[k]:
+            k += 1
+        return k
+
+    def _set(self, indices: Sequence[int], frozen: bool) -> tuple:
+        changed = []
+        for i in indices:
+            if i == len(self.modules) - 1 and frozen:
+                raise ValueError("The head (last module) is never frozen.")
+            if self.frozen[i] == frozen:
+                continue
+            for layer in self.modules[i].layers:
+                if not self._was_trainable[id(layer)]:
+                    continue
+                layer.trainable = not frozen
+                setattr(layer, _MARK, frozen)
+            self.frozen[i] = frozen
+            changed.append(i)
+        if changed:
+            self.rebuild()
+            for listener in self.listeners:
+                listener("freeze" if frozen else "unfreeze", tuple(changed))
+        return tuple(changed)
+
+    def freeze(self, indices: Sequence[int]) -> tuple:
+        """Freezes the given modules; returns those that changed."""
+        return self._set(indices, True)
+
+    def unfreeze(self, indices: Sequence[int]) -> tuple:
+        """Re-opens the given modules; returns those that changed."""
+        return self._set(indices, False)
+
+    def freeze_prefix(self, k: int) -> None:
+        """Makes exactly modules `0..k-1` frozen."""
+        self.unfreeze([i for i in range(k, len(self.modules)) if self.frozen[i]])
+        self.freeze([i for i in range(k) if not self.frozen[i]])
+
+    def rebuild(self) -> None:
+        """Re-creates the train function so that `trainable` changes take effect."""
+        self.model.make_train_function(force=True)
+        self.rebuilds += 1
+
+    def restore(self) -> None:
+        """Re-opens every module this engine froze (end of training)."""
+        self.unfreeze([i for i, f in enumerate(self.frozen) if f])
+
+    def frozen_flops_fraction(self) -> float | None:
+        """Share of the model's forward FLOPs in frozen modules.
+
+        Backward cost per layer is about twice its forward cost, so this is
+        also the share of backward FLOPs a freeze saves.
+        """
+        if any(m.flops is None for m in self.modules):
+            return None
+        total = sum(m.flops for m in self.modules)
+        if total <= 0:
+            return None
+        return sum(m.flops for m, f in zip(self.modules, self.frozen) if f) / total
