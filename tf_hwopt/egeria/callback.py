@@ -16,6 +16,7 @@ from tf_hwopt._quiet import import_tensorflow_quietly
 import_tensorflow_quietly()
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
@@ -87,7 +88,10 @@ class EgeriaCallback(keras.callbacks.Callback):
             dropped by this factor since the last freeze (None: never).
         reference_refresh: evaluations between reference-model refreshes.
         asynchronous: build and run the reference model on a background
-            thread (on the CPU).
+            thread on the host CPU. `"auto"` (default): only when training
+            runs on a GPU or TPU, whose host CPUs are otherwise idle; on a
+            CPU-only host the training step already uses every core, and a
+            background thread would slow it down more than it saves.
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your
@@ -116,7 +120,7 @@ class EgeriaCallback(keras.callbacks.Callback):
         max_frozen_fraction: float = 0.8,
         reopen_lr_factor: float | None = None,
         reference_refresh: int = 1,
-        asynchronous: bool = True,
+        asynchronous: bool | str = "auto",
         log_dir: str | None = None,
         backup_dir: str | None = None,
         seed: int = 0,
@@ -128,6 +132,10 @@ class EgeriaCallback(keras.callbacks.Callback):
             raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
         _check_positive_int("eval_every", eval_every, allow_none=True)
         _check_positive_int("reference_refresh", reference_refresh)
+        if asynchronous not in (True, False, "auto"):
+            raise ValueError(
+                f"`asynchronous` must be True, False or 'auto'. Received: asynchronous={asynchronous!r}"
+            )
         # The policy validates window, tolerance, patience, bootstrap and cap
         # now, before any training: build a throwaway one.
         EgeriaPolicy(
@@ -207,7 +215,10 @@ class EgeriaCallback(keras.callbacks.Callback):
         self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
         if self.reference is None:
             self.reference = Reference(
-                model, [m.output_layer for m in self.modules], self._probe, asynchronous=self.asynchronous
+                model,
+                [m.output_layer for m in self.modules],
+                self._probe,
+                asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
             )
         steps = self.params.get("steps") if self.params else None
         if self.eval_every is None:
@@ -295,7 +306,7 @@ class EgeriaCallback(keras.callbacks.Callback):
         if self.reference.ready():
             reference = self.reference.activations()
             for i in range(k, n):
-                plasticity[i] = sp_loss(activations[i], reference[i])
+                plasticity[i] = sp_loss(activations[i], reference[i], gram_dtype=np.float32)
             decision = self.policy.observe(self._step, plasticity, self._learning_rate())
             self.history.append(
                 {
@@ -504,6 +515,10 @@ class EgeriaCallback(keras.callbacks.Callback):
             "overhead_fraction": (self._egeria_seconds / wall) if wall else 0.0,
             "train_function_rebuilds": self.engine.rebuilds,
         }
+
+
+def _has_accelerator() -> bool:
+    return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
 
 
 def _fit_inputs(model):

@@ -27,6 +27,19 @@ def plot(callback, path: str, *, title: str | None = None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    draw_plasticity(ax, callback, title=title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def draw_plasticity(ax, callback, *, title: str | None = None) -> None:
+    """Draws the plasticity curves and freeze markers of `callback` on `ax`."""
+    import matplotlib.pyplot as plt
+
     if not callback.history:
         raise ValueError(
             "The callback has no plasticity history yet: plot it after fit has run "
@@ -34,13 +47,12 @@ def plot(callback, path: str, *, title: str | None = None) -> str:
         )
     n = len(callback.history[0]["plasticity"])
     names = [m.name for m in callback.modules] if callback.modules else [str(i) for i in range(n)]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     steps = [h["step"] for h in callback.history]
     for i in range(n - 1):  # the head never freezes; its curve is not decisive
         values = [h["plasticity"][i] for h in callback.history]
-        xs = [s for s, v in zip(steps, values) if v is not None]
-        ys = [v for v in values if v is not None]
+        xs = [s for s, v in zip(steps, values) if v is not None and v > 0]
+        ys = [v for v in values if v is not None and v > 0]
         if xs:
             ax.plot(xs, ys, marker=".", color=colors[i % len(colors)], label=f"{i}: {names[i]}")
     for event in callback.events:
@@ -61,8 +73,3 @@ def plot(callback, path: str, *, title: str | None = None) -> str:
     ax.set_ylabel("plasticity (SP loss vs int8 reference)")
     ax.set_title(title or "Egeria: plasticity per module")
     ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path

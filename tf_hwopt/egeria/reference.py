@@ -169,22 +169,14 @@ def _head(x, n=8):
     return keras.tree.map_structure(lambda a: a[:n], x)
 
 
-def _set_layer_weights(layer, weights, quantize=False):
-    """Assigns float weights to `layer` (a plain layer or a TFMOT wrapper).
-
-    A TFMOT wrapper holds the wrapped layer's own variables (kernel, bias...)
-    next to its quantizer variables, which live under the wrapper's name.
-    """
-    if hasattr(layer, "quantize_config") and hasattr(layer, "layer"):
-        variables = [v for v in layer.weights if not v.name.startswith(layer.name + "/")]
-    else:
-        variables = layer.weights
+def _set_layer_weights(layer, weights):
+    variables = _own_variables(layer)
     if len(variables) != len(weights) or any(
         tuple(v.shape) != tuple(np.shape(w)) for v, w in zip(variables, weights)
     ):
         raise _NotRebuildable(f"layer {layer.name!r} weights do not match in number or shape")
     for variable, value in zip(variables, weights):
-        variable.assign(quantize_int8_per_channel(value) if quantize else value)
+        variable.assign(value)
 
 
 def _kernel_quantize_config_class(tfmot):
@@ -280,10 +272,20 @@ class _TfmotReference:
                 [self._inner[layer.name][0].output for layer in output_layers],
             )
             self._calibration = self._calibration_plan(tf_keras)
-            # Compiled once; a refresh only assigns variables and runs these.
+            # Compiled once; a refresh is three calls of compiled functions.
+            targets, self._sources = [], []
+            for name, idx in self._slices.items():
+                for model_vars, quantize in (
+                    (_own_variables(self._float.get_layer(name)), False),
+                    (_own_variables(self._inner[name][0]), name in self.float_layers),
+                ):
+                    if len(model_vars) != len(idx):
+                        raise _NotRebuildable(f"layer {name!r} weights do not match in number")
+                    targets.extend(model_vars)
+                    self._sources.extend((i, quantize) for i in idx)
+            self._assign = _compiled_assign(targets)
             self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True))
-            self._float_ranges = tf.function(lambda x: self._float_probe(x, training=False)) if self._float_probe is not None else None
-            self._read = tf.function(lambda x: self._reader(x, training=False))
+            self._calibrate_and_read = tf.function(self._calibrate_and_read_fn)
         self.reason = (
             "rebuilt as tf_keras and quantized with TFMOT"
             + (f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else "")
@@ -334,29 +336,50 @@ class _TfmotReference:
         self._float_probe = tf_keras.Model(self._float.inputs, float_tensors) if float_tensors else None
         return plan
 
+    def _calibrate_and_read_fn(self, x):
+        if self._float_probe is not None:
+            outs = self._float_probe(x, training=False)
+            outs = outs if isinstance(outs, list) else [outs]
+            for min_var, max_var, i in self._calibration:
+                min_var.assign(tf.minimum(tf.reduce_min(outs[i]), 0.0))
+                max_var.assign(tf.maximum(tf.reduce_max(outs[i]), 0.0))
+        acts = self._reader(x, training=False)
+        return acts if isinstance(acts, list) else [acts]
+
     def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
-        weights = self._by_layer(weights)
+        values = [quantize_int8_per_channel(weights[i]) if q else weights[i] for i, q in self._sources]
         with tf.device("/CPU:0"):
-            for name, w in weights.items():
-                _set_layer_weights(self._float.get_layer(name), w)
-                layer, inner = self._inner[name]
-                _set_layer_weights(layer, w, quantize=name in self.float_layers)
+            self._assign(values)
             # Weight ranges: TFMOT's LastValueQuantizer sets them in training
-            # mode; the call may move normalization statistics, so the weights
-            # are copied again afterwards.
+            # mode. That call may move normalization statistics, so the
+            # weights are assigned again afterwards.
             self._weight_ranges(_head(probe_x, 2))
-            for name, w in weights.items():
-                _set_layer_weights(self._inner[name][0], w, quantize=name in self.float_layers)
-            if self._float_ranges is not None:
-                outs = self._float_ranges(probe_x)
-                outs = outs if isinstance(outs, list) else [outs]
-                for min_var, max_var, i in self._calibration:
-                    a = np.asarray(outs[i])
-                    min_var.assign(min(float(a.min()), 0.0))
-                    max_var.assign(max(float(a.max()), 0.0))
-            acts = self._read(probe_x)
-            acts = acts if isinstance(acts, list) else [acts]
-            return [np.asarray(a, np.float32) for a in acts]
+            self._assign(values)
+            # Activation ranges: the float activations' observed ranges.
+            acts = self._calibrate_and_read(probe_x)
+        return [np.asarray(a, np.float32) for a in acts]
+
+
+def _own_variables(layer) -> list:
+    """A layer's own variables; for a TFMOT wrapper, those of the wrapped layer.
+
+    A wrapper holds the wrapped layer's variables (kernel, bias...) next to
+    its quantizer variables, which live under the wrapper's name.
+    """
+    if hasattr(layer, "quantize_config") and hasattr(layer, "layer"):
+        return [v for v in layer.weights if not v.name.startswith(layer.name + "/")]
+    return list(layer.weights)
+
+
+def _compiled_assign(variables: list):
+    """A compiled function assigning a list of values to `variables` in one call."""
+
+    @tf.function
+    def assign(values):
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+    return assign
 
 
 class _CloneReference:
@@ -376,12 +399,12 @@ class _CloneReference:
             index = {id(layer): i for i, layer in enumerate(originals)}
             self._clone = clone
             self._reader = ActivationReader(clone, [clones[index[id(layer)]] for layer in output_layers])
+            self._assign = _compiled_assign(list(clone.weights))
         self.reason = f"fell back to a Keras 3 clone with per-channel int8 weights: {reason}"
 
     def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
         with tf.device("/CPU:0"):
-            for variable, value in zip(self._clone.weights, weights):
-                variable.assign(quantize_int8_per_channel(value))
+            self._assign([quantize_int8_per_channel(w) for w in weights])
             return self._reader(probe_x)
 
 

@@ -1,0 +1,70 @@
+"""Shared fixtures: small seeded models and a small MNIST-1D, built once."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import tf_hwopt  # noqa: E402,F401  (quiet TensorFlow import first)
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_hwopt.data import load_mnist1d  # noqa: E402
+from tf_hwopt.models import resnet1d  # noqa: E402
+
+tf.config.experimental.enable_op_determinism()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache_dir(tmp_path_factory):
+    os.environ["TF_HWOPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="session")
+def mnist1d_small():
+    """2,000 training and 500 test examples of MNIST-1D."""
+    (x, y), (x_test, y_test) = load_mnist1d(2500)
+    return x, y, x_test, y_test
+
+
+def small_resnet(seed: int = 0, **kwargs) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    config = dict(widths=(16, 16, 16), strides=(1, 2, 1), stem_width=16)
+    config.update(kwargs)
+    return resnet1d(**config)
+
+
+def compile_model(model, optimizer="adam", jit_compile=False, steps_per_execution=1, lr=3e-3):
+    opt = keras.optimizers.Adam(lr) if optimizer == "adam" else keras.optimizers.SGD(lr * 10, momentum=0.9)
+    model.compile(
+        opt,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=jit_compile,
+        steps_per_execution=steps_per_execution,
+    )
+    return model
+
+
+def eager_freezing(**overrides):
+    """EgeriaCallback settings that freeze within a few evaluations (for mechanics tests)."""
+    config = dict(
+        probe_size=32,
+        eval_every=4,
+        window=2,
+        patience=1,
+        tolerance=1e6,
+        bootstrap_steps=0,
+        max_frozen_fraction=0.5,
+        verbose=0,
+        asynchronous=False,
+    )
+    config.update(overrides)
+    return tf_hwopt.EgeriaCallback(**config)
+
+
+@pytest.fixture
+def rng():
+    return np.random.RandomState(0)

@@ -1,0 +1,95 @@
+import keras
+import numpy as np
+import pytest
+
+from tf_hwopt.egeria import ActivationReader, Reference, partition_modules, quantize_int8_per_channel, sp_loss
+from tf_hwopt.models import resnet1d
+
+
+def _conv_bn_relu_add_dense():
+    inputs = keras.Input((16, 16, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", name="c1")(inputs)
+    x = keras.layers.BatchNormalization(name="bn1")(x)
+    x = keras.layers.ReLU(name="r1")(x)
+    y = keras.layers.Conv2D(8, 3, padding="same", name="c2")(x)
+    y = keras.layers.BatchNormalization(name="bn2")(y)
+    x = keras.layers.Add(name="add")([x, y])
+    x = keras.layers.ReLU(name="r2")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    return keras.Model(inputs, keras.layers.Dense(5, name="d")(x))
+
+
+@pytest.mark.parametrize("build", [_conv_bn_relu_add_dense, lambda: resnet1d(widths=(8, 8), strides=(1, 2), stem_width=8)])
+def test_tfmot_path_is_close_to_float_model(build, rng):
+    keras.utils.set_random_seed(1)
+    model = build()
+    x = rng.rand(32, *model.inputs[0].shape[1:]).astype(np.float32)
+    # Train BN statistics away from their initial values.
+    model.compile("adam", "mse")
+    model.fit(x, rng.rand(32, 5 if model.output.shape[-1] == 5 else 10), epochs=2, verbose=0)
+    mods = partition_modules(model)
+    ref = Reference(model, [m.output_layer for m in mods], x, asynchronous=False)
+    assert ref.path == "tfmot", ref.reason
+    ref.submit_refresh(model)
+    reference = ref.activations()
+    training = ActivationReader(model, [m.output_layer for m in mods])(x)
+    for t, r in zip(training, reference):
+        rel = np.linalg.norm(t - r) / np.linalg.norm(t)
+        assert 0 < rel < 0.05  # int8, so not exact; within 5% relative (L2)
+        assert sp_loss(t, r) < 1e-3
+
+
+def test_background_refresh_matches_synchronous(rng):
+    keras.utils.set_random_seed(2)
+    model = resnet1d(widths=(8,), strides=(1,), stem_width=8)
+    x = rng.rand(16, 40, 1).astype(np.float32)
+    layers = [m.output_layer for m in partition_modules(model)]
+    results = []
+    for asynchronous in (False, True):
+        ref = Reference(model, layers, x, asynchronous=asynchronous)
+        ref.submit_refresh(model)
+        results.append(ref.activations())
+        ref.close()
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv1D(8, 3, name="conv")
+        self.flat = keras.layers.Flatten(name="flat")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x):
+        return self.out(self.flat(self.conv(x)))
+
+
+def test_fallback_for_subclassed_model_is_reported(rng):
+    model = _Subclassed()
+    x = rng.rand(8, 10, 1).astype(np.float32)
+    model(x)
+    mods = partition_modules(model, [["conv"], ["flat", "out"]], sample_input=x)
+    ref = Reference(model, [m.output_layer for m in mods], x, asynchronous=False)
+    assert ref.path == "int8-weights"
+    assert "subclassed" in ref.reason
+    ref.submit_refresh(model)
+    r = ref.activations()
+    t = ActivationReader(model, [m.output_layer for m in mods])(x)
+    assert r[0].shape == t[0].shape
+    assert np.linalg.norm(t[0] - r[0]) / np.linalg.norm(t[0]) < 0.02
+    assert not np.array_equal(t[0], r[0])  # the weights really were quantized
+
+
+def test_quantize_int8_per_channel(rng):
+    w = rng.randn(3, 4, 6).astype(np.float32)
+    w[..., 2] *= 100.0  # one channel with a much larger range
+    q = quantize_int8_per_channel(w)
+    assert q.dtype == w.dtype and q.shape == w.shape
+    for c in range(6):
+        levels = np.unique(np.round(q[..., c] / (np.abs(w[..., c]).max() / 127)))
+        assert len(levels) <= 255 and np.abs(levels).max() <= 127
+        step = np.abs(w[..., c]).max() / 127
+        assert np.abs(q[..., c] - w[..., c]).max() <= step / 2 + 1e-6
+    bias = rng.randn(6)
+    assert quantize_int8_per_channel(bias) is bias
