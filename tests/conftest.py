@@ -14,7 +14,8 @@ import tensorflow as tf  # noqa: E402
 from tf_hwopt.data import load_mnist1d  # noqa: E402
 from tf_hwopt.models import resnet1d  # noqa: E402
 
-tf.config.experimental.enable_op_determinism()
+# No tf.config.experimental.enable_op_determinism(): Keras then silently turns
+# jit_compile=True off, and the XLA paths would go untested.
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -100,6 +100,7 @@ def test_frozen_weights_stay_bit_identical(mnist1d_small, jit_compile, steps_per
     assert egeria.summary()["frozen_modules"] == 2  # the cap: 0.5 of 4 modules
     _assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
     assert egeria.summary()["train_function_rebuilds"] >= 2
+    assert model.jit_compile == jit_compile  # XLA really was on (or off)
 
 
 class _ForceFreeze(keras.callbacks.Callback):
@@ -132,7 +133,8 @@ def _slots(model):
     for v in model.trainable_variables + [w for layer in model.layers for w in layer.weights if not layer.trainable]:
         for name in ("momentums", "velocities"):
             slot = getattr(opt, f"_{name}")[opt._get_variable_index(v)]
-            out[(v.path, name)] = slot.numpy().copy()
+            # Keyed without the model's (run-dependent) name.
+            out[(v.path.split("/", 1)[1], name)] = slot.numpy().copy()
     return out
 
 
@@ -157,7 +159,7 @@ def test_adam_moments_of_unfrozen_variables_match_a_rebuild_without_freezing(mni
     unfrozen = [k for k in frozen_slots if not k[0].startswith("front")]
     assert unfrozen
     for key in unfrozen:
-        np.testing.assert_allclose(frozen_slots[key], plain_slots[key], rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(frozen_slots[key], plain_slots[key], rtol=1e-5, atol=1e-9)
         assert not np.array_equal(frozen_slots[key], frozen_right_after[key])  # the step did update them
     # The frozen module's slots were not touched by the last step.
     for key in frozen_slots:
@@ -170,10 +172,15 @@ def test_logs_events_summary_tensorboard_and_plot(mnist1d_small, tmp_path):
     model = compile_model(small_resnet())
     egeria = eager_freezing(log_dir=str(tmp_path / "tb"))
     csv_path = tmp_path / "log.csv"
-    model.fit(x[:256], y[:256], batch_size=32, epochs=2, callbacks=[egeria, keras.callbacks.CSVLogger(str(csv_path))], verbose=0)
+    history = model.fit(
+        x[:256], y[:256], batch_size=32, epochs=3, callbacks=[egeria, keras.callbacks.CSVLogger(str(csv_path))], verbose=0
+    )
     with open(csv_path) as f:
         rows = list(csv.DictReader(f))
-    assert [float(r["frozen_modules"]) for r in rows] == [2.0, 2.0]
+    expected = [sum(e["epoch"] <= epoch for e in egeria.events) for epoch in range(3)]
+    assert expected[-1] == 2
+    assert [float(r["frozen_modules"]) for r in rows] == expected
+    assert history.history["frozen_modules"] == expected
     summary = egeria.summary()
     json.dumps(summary)  # JSON-serialisable
     assert summary["frozen_modules"] == 2 and len(summary["events"]) == 2
@@ -290,7 +297,7 @@ def test_bad_arguments_fail_at_construction(kwargs, match):
         (dict(modules=[["stem_conv"], ["no_such_layer"]]), "does not have"),
         (dict(modules=[["stem_conv", "stem_bn"], ["stem_bn", "head"]]), "both"),
         (dict(modules=[["head"], ["stem_conv"]]), "out of order"),
-        (dict(probe_size=300), "larger than the training data"),
+        (dict(probe_size=301), "larger than the training data"),
     ],
 )
 def test_bad_inputs_fail_before_any_training_step(mnist1d_small, kwargs, match):
@@ -298,6 +305,6 @@ def test_bad_inputs_fail_before_any_training_step(mnist1d_small, kwargs, match):
     model = compile_model(small_resnet())
     before = [v.numpy().copy() for v in model.weights]
     with pytest.raises(ValueError, match=match):
-        model.fit(x[:200], y[:200], batch_size=32, epochs=1, callbacks=[tf_hwopt.EgeriaCallback(**kwargs)], verbose=0)
+        model.fit(x[:300], y[:300], batch_size=32, epochs=1, callbacks=[tf_hwopt.EgeriaCallback(**kwargs)], verbose=0)
     assert all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.weights))
     assert int(model.optimizer.iterations.numpy()) == 0

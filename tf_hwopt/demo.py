@@ -181,11 +181,15 @@ def _plot(results, egeria, path):
     from tf_hwopt.egeria.plot import draw_plasticity
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8), dpi=110)
-    draw_plasticity(left, egeria)
+    if egeria.history:
+        draw_plasticity(left, egeria)
+    else:
+        left.text(0.5, 0.5, "no plasticity evaluation ran\n(training too short)", ha="center", transform=left.transAxes)
     for name, label in (("no_freezing", "no freezing"), ("egeria", "Egeria")):
         r = results["runs"][name]
         right.plot(r["epoch_wall_s"], [100 * a for a in r["epoch_val_accuracy"]], marker="o", label=label)
-    right.set_ylim(bottom=max(0.0, min(100 * a for r in results["runs"].values() for a in r["epoch_val_accuracy"][2:] or [0]) - 1))
+    late = [100 * a for r in results["runs"].values() for a in r["epoch_val_accuracy"][len(r["epoch_val_accuracy"]) // 3 :]]
+    right.set_ylim(max(0.0, min(late) - 1.0) if late else 0.0, 100.0)
     right.set_xlabel("wall-clock time (s)")
     right.set_ylabel("test accuracy (%)")
     right.set_title(

@@ -75,7 +75,12 @@ def forward_flops_by_layer(
         with tf.name_scope(f"{_MARK}{i}"):
             return call(*args, **kwargs)
 
-    fn = tf.function(lambda *xs: model(xs[0] if len(xs) == 1 else list(xs), training=False))
+    def forward(*xs):
+        # A parent scope: a model named "_x" is no valid root scope name.
+        with tf.name_scope("forward"):
+            return model(xs[0] if len(xs) == 1 else list(xs), training=False)
+
+    fn = tf.function(forward)
     with hooked_calls(layers, scoped):
         graph = fn.get_concrete_function(*specs).graph
     counts = {name: 0.0 for name in names}

@@ -106,7 +106,8 @@ class ActivationReader:
 
         def forward(x):
             captured.clear()
-            with hooked_calls(self._layers, record):
+            # A parent scope: a model named "_x" is no valid root scope name.
+            with hooked_calls(self._layers, record), tf.name_scope("egeria_probe"):
                 model(x, training=False)
             missing = [self._layers[i].name for i in range(len(self._layers)) if i not in captured]
             if missing:
