@@ -70,9 +70,9 @@ class EgeriaCallback(keras.callbacks.Callback):
     before; `summary()` and `events` say what was frozen and when.
 
     Args:
-        probe_data: data to draw the probe batch from (NumPy inputs, an
-            `(x, y)` tuple, or a `tf.data.Dataset`). Default: the `x` passed
-            to `fit`.
+        probe_data: data to draw the probe batch from: model inputs (NumPy
+            arrays, or a list/dict of them) or a `tf.data.Dataset`. Default:
+            the `x` passed to `fit`.
         probe_size: examples in the probe batch.
         modules: explicit partition, a list of lists of layer names front to
             back (required for subclassed models). Default: automatic.

@@ -121,35 +121,33 @@ class ActivationReader:
 
 
 def _num_examples(x) -> int:
-    sizes = {int(np.shape(a)[0]) for a in _flatten(x)}
+    import keras
+
+    sizes = {int(np.shape(a)[0]) for a in keras.tree.flatten(x)}
     if len(sizes) != 1:
         raise ValueError(f"The inputs' first dimensions differ: {sorted(sizes)}.")
     return sizes.pop()
 
 
-def _flatten(x):
-    if isinstance(x, dict):
-        return [a for k in sorted(x) for a in _flatten(x[k])]
-    if isinstance(x, (list, tuple)):
-        return [a for item in x for a in _flatten(item)]
-    return [x]
+def _to_numpy(x):
+    import keras
+
+    return keras.tree.map_structure(np.asarray, x)
 
 
-def _map(fn, x):
-    if isinstance(x, dict):
-        return {k: _map(fn, v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_map(fn, v) for v in x)
-    return fn(x)
+def _take(x, index):
+    import keras
+
+    return keras.tree.map_structure(lambda a: a[index], x)
 
 
 def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None):
     """Draws the fixed probe batch (inputs only) from training data.
 
     Args:
-        data: NumPy arrays or tensors (or a list/dict of them) of inputs, an
-            `(x, y[, sample_weight])` tuple of them, or a `tf.data.Dataset`
-            yielding `x` or `(x, y, ...)`.
+        data: the model's inputs (NumPy arrays or tensors, or a list/dict
+            of them, as `fit` takes `x`), or a `tf.data.Dataset` yielding `x`
+            or `(x, y, ...)`, batched or not.
         size: number of examples in the probe batch.
         seed: seed of the random choice among array examples. The choice uses
             NumPy's own generator, so it never moves TensorFlow's random state
@@ -167,10 +165,8 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None)
 
     if isinstance(data, tf.data.Dataset):
         return _probe_from_dataset(data, size, input_ndim)
-    if isinstance(data, tuple) and len(data) in (2, 3) and not isinstance(data[0], (int, float)):
-        data = data[0]  # (x, y[, sample_weight])
     try:
-        data = _map(lambda a: np.asarray(a), data)
+        data = _to_numpy(data)
         n = _num_examples(data)
     except (TypeError, ValueError, IndexError) as err:
         raise ValueError(
@@ -184,17 +180,17 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None)
             "Pass a smaller probe_size."
         )
     idx = np.sort(np.random.RandomState(seed).choice(n, size, replace=False))
-    return _map(lambda a: a[idx], data)
+    return _take(data, idx)
 
 
 def _probe_from_dataset(dataset, size, input_ndim):
+    import keras
+
     chunks, total = [], 0
     for element in dataset:
-        x = element[0] if isinstance(element, tuple) else element
-        x = _map(lambda a: np.asarray(a), x)
-        first = _flatten(x)[0]
-        if input_ndim is not None and first.ndim == input_ndim - 1:
-            x = _map(lambda a: a[None], x)
+        x = _to_numpy(element[0] if isinstance(element, tuple) else element)
+        if input_ndim is not None and keras.tree.flatten(x)[0].ndim == input_ndim - 1:
+            x = _take(x, np.newaxis)  # unbatched elements
         chunks.append(x)
         total += _num_examples(x)
         if total >= size:
@@ -204,10 +200,5 @@ def _probe_from_dataset(dataset, size, input_ndim):
             f"`probe_size`={size} is larger than the training data ({total} examples "
             "in the dataset). Pass a smaller probe_size."
         )
-    if isinstance(chunks[0], dict):
-        joined = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-    elif isinstance(chunks[0], (list, tuple)):
-        joined = type(chunks[0])(np.concatenate([c[i] for c in chunks]) for i in range(len(chunks[0])))
-    else:
-        joined = np.concatenate(chunks)
-    return _map(lambda a: a[:size], joined)
+    joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *chunks)
+    return _take(joined, slice(0, size))

@@ -42,7 +42,7 @@ import_tensorflow_quietly()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_hwopt.egeria.plasticity import ActivationReader  # noqa: E402
+from tf_hwopt.egeria.plasticity import ActivationReader, _take  # noqa: E402
 
 logger = logging.getLogger("tf_hwopt.egeria")
 
@@ -166,7 +166,7 @@ def _snapshot(model) -> list[np.ndarray]:
 
 def _head(x, n=8):
     """The first `n` examples of a batch (array, or list/dict of arrays)."""
-    return keras.tree.map_structure(lambda a: a[:n], x)
+    return _take(x, slice(0, n))
 
 
 def _set_layer_weights(layer, weights):
