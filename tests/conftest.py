@@ -37,6 +37,19 @@ def small_resnet(seed: int = 0, **kwargs) -> keras.Model:
     return resnet1d(**config)
 
 
+class SmallSubclassed(keras.Model):
+    """A subclassed model (no inspectable layer graph): conv -> flatten -> dense."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.conv = keras.layers.Conv1D(8, 3, name="conv")
+        self.flat = keras.layers.Flatten(name="flat")
+        self.out = keras.layers.Dense(3, name="out")
+
+    def call(self, x):
+        return self.out(self.flat(self.conv(x)))
+
+
 def compile_model(model, optimizer="adam", jit_compile=False, steps_per_execution=1, lr=3e-3):
     opt = keras.optimizers.Adam(lr) if optimizer == "adam" else keras.optimizers.SGD(lr * 10, momentum=0.9)
     model.compile(

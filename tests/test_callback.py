@@ -189,6 +189,8 @@ def test_logs_events_summary_tensorboard_and_plot(mnist1d_small, tmp_path):
     assert 0 < summary["backward_flops_skipped_fraction"] <= summary["final_backward_flops_skipped_fraction"]
     assert 0 < summary["overhead_fraction"] < 1
     assert summary["reference_path"] == "tfmot"
+    # Once the cap is reached nothing can change: evaluation stops.
+    assert all(h["frozen"] < 2 for h in egeria.history)
     tags = set()
     for root, _, files in os.walk(tmp_path / "tb"):
         for name in files:

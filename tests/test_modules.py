@@ -4,6 +4,7 @@ import pytest
 
 from tf_hwopt.egeria import describe_modules, partition_modules
 from tf_hwopt.models import resnet1d
+from conftest import SmallSubclassed
 
 
 def test_resnet_blocks_are_modules():
@@ -64,25 +65,14 @@ def test_explicit_modules_override():
     assert len(mods) == 2 and mods[0].output_layer.name == "block1_out"
 
 
-class _Sub(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.c = keras.layers.Conv1D(4, 3, name="c")
-        self.f = keras.layers.Flatten(name="f")
-        self.d = keras.layers.Dense(2, name="d")
-
-    def call(self, x):
-        return self.d(self.f(self.c(x)))
-
-
 def test_subclassed_model_needs_groups():
-    model = _Sub()
+    model = SmallSubclassed()
     x = np.zeros((2, 10, 1), np.float32)
     model(x)
     with pytest.raises(ValueError, match="subclassed"):
         partition_modules(model)
-    mods = partition_modules(model, [["c"], ["f", "d"]], sample_input=x)
-    assert [m.output_layer.name for m in mods] == ["c", "d"]
+    mods = partition_modules(model, [["conv"], ["flat", "out"]], sample_input=x)
+    assert [m.output_layer.name for m in mods] == ["conv", "out"]
     assert mods[0].flops > 0
 
 

@@ -84,7 +84,7 @@ def test_head_and_cap():
     assert policy.max_frozen == 2
     for i in range(30):
         policy.observe(i, [1.0] * 5)
-    assert policy.num_frozen == 2
+    assert policy.num_frozen == 2 and policy.settled
     head_only = EgeriaPolicy(2, window=2, tolerance=1e6, patience=1, max_frozen_fraction=1.0)
     for i in range(30):
         head_only.observe(i, [1.0, 1.0])
@@ -96,6 +96,7 @@ def test_reopens_on_large_learning_rate_drop():
     for i in range(4):
         policy.observe(i, [1.0, 1.0, 1.0], learning_rate=0.1)
     assert policy.num_frozen == 2
+    assert not policy.settled  # a learning-rate drop may still re-open modules
     d = policy.observe(5, [1.0, 1.0, 1.0], learning_rate=0.05)  # 2x: not enough
     assert not d.unfreeze
     d = policy.observe(6, [1.0, 1.0, 1.0], learning_rate=0.01)

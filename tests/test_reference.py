@@ -4,6 +4,7 @@ import pytest
 
 from tf_hwopt.egeria import ActivationReader, Reference, partition_modules, quantize_int8_per_channel, sp_loss
 from tf_hwopt.models import resnet1d
+from conftest import SmallSubclassed
 
 
 def _conv_bn_relu_add_dense():
@@ -54,19 +55,8 @@ def test_background_refresh_matches_synchronous(rng):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-class _Subclassed(keras.Model):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.conv = keras.layers.Conv1D(8, 3, name="conv")
-        self.flat = keras.layers.Flatten(name="flat")
-        self.out = keras.layers.Dense(3, name="out")
-
-    def call(self, x):
-        return self.out(self.flat(self.conv(x)))
-
-
 def test_fallback_for_subclassed_model_is_reported(rng):
-    model = _Subclassed()
+    model = SmallSubclassed()
     x = rng.rand(8, 10, 1).astype(np.float32)
     model(x)
     mods = partition_modules(model, [["conv"], ["flat", "out"]], sample_input=x)

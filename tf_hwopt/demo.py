@@ -137,6 +137,7 @@ def run_demo(
         "speedup_cpu": base["clock"].cpu[-1] / eg["clock"].cpu[-1],
         "accuracy_delta_points": 100.0 * (eg["accuracy"] - base["accuracy"]),
         "egeria": summary,
+        "plasticity_history": egeria.history,
     }
     say(format_table(results))
     if plot_path:

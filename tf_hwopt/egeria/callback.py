@@ -196,6 +196,7 @@ class EgeriaCallback(keras.callbacks.Callback):
     @_timed
     def on_train_begin(self, logs=None):
         self._wall_start = time.perf_counter()
+        self._final = None
         model = self.model
         if model.optimizer is None:
             raise ValueError("EgeriaCallback needs a compiled model (call `model.compile` first).")
@@ -207,8 +208,7 @@ class EgeriaCallback(keras.callbacks.Callback):
         if self._probe is None:
             data = self.probe_data if self.probe_data is not None else _fit_inputs(model)
             self._probe = draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim)
-        fresh = self.policy is None
-        if fresh:
+        if self.policy is None:  # else: a callback reused for another fit keeps its state
             self.modules = partition_modules(model, self.module_names, sample_input=self._probe)
             self.policy = self._make_policy()
         self.engine = FreezingEngine(model, self.modules)
@@ -267,7 +267,7 @@ class EgeriaCallback(keras.callbacks.Callback):
         share = self.engine.frozen_flops_fraction()
         if share is not None:
             self._frozen_flops_steps += share * done
-        if self._step >= self._next_eval:
+        if self._step >= self._next_eval and not self.policy.settled:
             self._evaluate()
             while self._next_eval <= self._step:
                 self._next_eval += self._eval_every

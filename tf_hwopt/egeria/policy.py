@@ -153,6 +153,11 @@ class EgeriaPolicy:
         """How many modules may be frozen at most (the head never is)."""
         return min(self.num_modules - 1, int(math.floor(self.max_frozen_fraction * self.num_modules + 1e-9)))
 
+    @property
+    def settled(self) -> bool:
+        """True when no future evaluation can change anything (cap reached, no re-opening)."""
+        return self.num_frozen >= self.max_frozen and self.reopen_lr_factor is None
+
     def window_of(self, module: int) -> list[float]:
         return list(self._windows[module])
 
