@@ -7,7 +7,6 @@ import json
 import math
 import os
 import tempfile
-import time
 import warnings
 from typing import Sequence
 
@@ -19,8 +18,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
-from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
+from tf_hwopt.egeria.freezing_callback import FreezingCallback, check_positive_int, timed  # noqa: E402
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
 from tf_hwopt.egeria.policy import EgeriaPolicy  # noqa: E402
 from tf_hwopt.egeria.reference import Reference  # noqa: E402
@@ -30,29 +28,7 @@ _STATE_VERSION = 1
 _KEPT_SNAPSHOTS = 3
 
 
-def _check_positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-
-
-def _timed(method):
-    """Adds the wall time spent in a callback hook to Egeria's overhead."""
-
-    def wrapper(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._egeria_seconds += time.perf_counter() - start
-
-    wrapper.__name__ = method.__name__
-    wrapper.__doc__ = method.__doc__
-    return wrapper
-
-
-class EgeriaCallback(keras.callbacks.Callback):
+class EgeriaCallback(FreezingCallback):
     """Freezes converged front modules during `model.fit` (Egeria, EuroSys 2023).
 
     Every `eval_every` training steps the callback measures each module's
@@ -126,12 +102,12 @@ class EgeriaCallback(keras.callbacks.Callback):
         seed: int = 0,
         verbose: int = 1,
     ):
-        super().__init__()
-        _check_positive_int("probe_size", probe_size)
+        super().__init__(modules=modules, log_dir=log_dir, verbose=verbose)
+        check_positive_int("probe_size", probe_size)
         if probe_size < 2:
             raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
-        _check_positive_int("eval_every", eval_every, allow_none=True)
-        _check_positive_int("reference_refresh", reference_refresh)
+        check_positive_int("eval_every", eval_every, allow_none=True)
+        check_positive_int("reference_refresh", reference_refresh)
         if asynchronous not in (True, False, "auto"):
             raise ValueError(
                 f"`asynchronous` must be True, False or 'auto'. Received: asynchronous={asynchronous!r}"
@@ -147,14 +123,8 @@ class EgeriaCallback(keras.callbacks.Callback):
             max_frozen_fraction=max_frozen_fraction,
             reopen_lr_factor=reopen_lr_factor,
         )
-        if modules is not None and (isinstance(modules, (str, bytes)) or len(modules) < 2):
-            raise ValueError(
-                "`modules` must list at least 2 modules (lists of layer names), front "
-                f"to back; the last is the head, which never freezes. Received: modules={modules!r}"
-            )
         self.probe_data = probe_data
         self.probe_size = probe_size
-        self.module_names = modules
         self.eval_every = eval_every
         self.window = window
         self.tolerance = tolerance
@@ -164,54 +134,36 @@ class EgeriaCallback(keras.callbacks.Callback):
         self.reopen_lr_factor = reopen_lr_factor
         self.reference_refresh = reference_refresh
         self.asynchronous = asynchronous
-        self.log_dir = log_dir
         self.backup_dir = backup_dir
         self.seed = seed
-        self.verbose = verbose
 
-        self.modules = None
         self.policy: EgeriaPolicy | None = None
-        self.engine: FreezingEngine | None = None
         self.reference: Reference | None = None
-        self.events: list[dict] = []
         self.history: list[dict] = []
         self.skipped_evaluations = 0
         self._probe = None
         self._reader = None
-        self._writer = None
-        self._step = 0
-        self._epoch = 0
-        self._last_batch = -1
         self._next_eval = None
         self._evaluations = 0
         self._resume_checked = False
-        self._frozen_flops_steps = 0.0
-        self._egeria_seconds = 0.0
-        self._wall_start = None
-        self._wall_seconds = 0.0
-        self._final = None
 
     # ------------------------------------------------------------------ setup
 
-    @_timed
-    def on_train_begin(self, logs=None):
-        self._wall_start = time.perf_counter()
-        self._final = None
-        model = self.model
-        if model.optimizer is None:
-            raise ValueError("EgeriaCallback needs a compiled model (call `model.compile` first).")
-        input_ndim = None
-        try:
-            input_ndim = len(model.inputs[0].shape)
-        except (AttributeError, ValueError, IndexError, TypeError):
-            pass
+    def _sample_input(self):
         if self._probe is None:
-            data = self.probe_data if self.probe_data is not None else _fit_inputs(model)
+            try:
+                input_ndim = len(self.model.inputs[0].shape)
+            except (AttributeError, ValueError, IndexError, TypeError):
+                input_ndim = None
+            data = self.probe_data if self.probe_data is not None else _fit_inputs(self.model)
             self._probe = draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim)
-        if self.policy is None:  # else: a callback reused for another fit keeps its state
-            self.modules = partition_modules(model, self.module_names, sample_input=self._probe)
+        return self._probe
+
+    def _setup(self, first_fit: bool) -> None:
+        model = self.model
+        self._sample_input()
+        if first_fit:
             self.policy = self._make_policy()
-        self.engine = FreezingEngine(model, self.modules)
         self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
         if self.reference is None:
             self.reference = Reference(
@@ -226,8 +178,6 @@ class EgeriaCallback(keras.callbacks.Callback):
         else:
             self._eval_every = self.eval_every
         self._next_eval = self._step + self._eval_every
-        if self.log_dir:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
         if self.policy.num_frozen:  # a callback reused for another fit
             self.engine.freeze_prefix(self.policy.num_frozen)
         self._resume_checked = False
@@ -236,8 +186,7 @@ class EgeriaCallback(keras.callbacks.Callback):
         bootstrap = self.bootstrap_steps
         if bootstrap is None:
             steps = self.params.get("steps") if self.params else None
-            epochs = self.params.get("epochs") if self.params else None
-            bootstrap = max(steps, int(0.1 * steps * epochs)) if steps and epochs else 0
+            bootstrap = max(steps, int(0.1 * self.total_steps)) if self.total_steps else 0
         return EgeriaPolicy(
             len(self.modules),
             window=self.window,
@@ -250,47 +199,25 @@ class EgeriaCallback(keras.callbacks.Callback):
 
     # --------------------------------------------------------------- training
 
-    @_timed
+    @timed
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-        self._last_batch = -1
+        super().on_epoch_begin(epoch, logs)
         if not self._resume_checked:
             self._resume_checked = True
             if epoch > 0 and self.backup_dir:
                 self._restore(epoch)
 
-    @_timed
-    def on_train_batch_end(self, batch, logs=None):
-        done = batch - self._last_batch if batch > self._last_batch else batch + 1
-        self._last_batch = batch
-        self._step += done
-        share = self.engine.frozen_flops_fraction()
-        if share is not None:
-            self._frozen_flops_steps += share * done
+    def _after_step(self) -> None:
         if self._step >= self._next_eval and not self.policy.settled:
             self._evaluate()
             while self._next_eval <= self._step:
                 self._next_eval += self._eval_every
-        if logs is not None:
-            logs["frozen_modules"] = self.engine.num_frozen
 
-    @_timed
+    @timed
     def on_epoch_end(self, epoch, logs=None):
-        if logs is not None:
-            logs["frozen_modules"] = self.engine.num_frozen
+        super().on_epoch_end(epoch, logs)
         if self.backup_dir:
             self._save(epoch + 1)
-
-    @_timed
-    def on_train_end(self, logs=None):
-        self._wall_seconds += time.perf_counter() - self._wall_start
-        self._final = {
-            "frozen_modules": self.engine.num_frozen,
-            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
-        }
-        self.engine.restore()
-        if self._writer is not None:
-            self._writer.flush()
 
     def _learning_rate(self) -> float | None:
         try:
@@ -337,32 +264,14 @@ class EgeriaCallback(keras.callbacks.Callback):
                 stacklevel=3,
             )
             return
+        details = {
+            "window": [float(v) for v in decision.window],
+            "relative_slope": decision.relative_slope,
+        }
         if decision.unfreeze:
-            self.engine.unfreeze(decision.unfreeze)
-            self._record("unfreeze", decision.unfreeze, decision)
+            self._unfreeze(decision.unfreeze, decision.reason, **details)
         if decision.freeze:
-            self.engine.freeze(decision.freeze)
-            self._record("freeze", decision.freeze, decision)
-
-    def _record(self, kind, indices, decision) -> None:
-        for i in indices:
-            event = {
-                "kind": kind,
-                "module": i,
-                "module_name": self.modules[i].name,
-                "step": self._step,
-                "epoch": self._epoch,
-                "window": [float(v) for v in decision.window],
-                "relative_slope": decision.relative_slope,
-                "reason": decision.reason,
-            }
-            self.events.append(event)
-            if self.verbose:
-                print(
-                    f"\nEgeria: {kind} module {i} ({self.modules[i].name}) at step "
-                    f"{self._step} (epoch {self._epoch + 1}): {decision.reason}",
-                    flush=True,
-                )
+            self._freeze(decision.freeze, decision.reason, **details)
 
     # ----------------------------------------------------------------- resume
 
@@ -459,62 +368,26 @@ class EgeriaCallback(keras.callbacks.Callback):
 
     # ----------------------------------------------------------------- report
 
-    @property
-    def num_frozen(self) -> int:
-        """Modules frozen now (during fit) or at the end of the last fit."""
-        if self.engine is not None and self._final is None:
-            return self.engine.num_frozen
-        return self._final["frozen_modules"] if self._final else 0
-
     def summary(self) -> dict:
         """What Egeria did, as a JSON-serialisable dict.
 
-        Keys: `reference_path` and `reference_reason`; `modules` (layers,
-        parameters, share of forward FLOPs); `frozen_modules` at the end;
-        `events`; `evaluations` and `skipped_evaluations`;
-        `backward_flops_skipped_fraction` (averaged over all training steps)
-        and `final_backward_flops_skipped_fraction`; `overhead_fraction`
-        (share of fit's wall time the training thread spent in Egeria code)
-        and the seconds behind it; `train_function_rebuilds`.
+        `FreezingCallback.summary()` (modules, events, FLOPs skipped,
+        overhead) plus `reference_path` and `reference_reason`,
+        `reference_refreshes`, `eval_every`, `evaluations` and
+        `skipped_evaluations`.
         """
-        if self.modules is None:
-            raise RuntimeError("summary() is available once fit has started.")
-        total_flops = sum(m.flops or 0.0 for m in self.modules)
-        wall = self._wall_seconds or (
-            time.perf_counter() - self._wall_start if self._wall_start else 0.0
+        report = super().summary()
+        report.update(
+            {
+                "reference_path": self.reference.path,
+                "reference_reason": self.reference.reason,
+                "reference_refreshes": self.reference.refreshes,
+                "eval_every": getattr(self, "_eval_every", self.eval_every),
+                "evaluations": self._evaluations,
+                "skipped_evaluations": self.skipped_evaluations,
+            }
         )
-        final = self._final or {
-            "frozen_modules": self.engine.num_frozen,
-            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
-        }
-        return {
-            "reference_path": self.reference.path,
-            "reference_reason": self.reference.reason,
-            "reference_refreshes": self.reference.refreshes,
-            "modules": [
-                {
-                    "index": m.index,
-                    "name": m.name,
-                    "layers": m.layer_names,
-                    "params": m.params,
-                    "flops_share": (m.flops / total_flops) if total_flops and m.flops is not None else None,
-                }
-                for m in self.modules
-            ],
-            "num_modules": len(self.modules),
-            "frozen_modules": final["frozen_modules"],
-            "events": self.events,
-            "steps": self._step,
-            "eval_every": getattr(self, "_eval_every", self.eval_every),
-            "evaluations": self._evaluations,
-            "skipped_evaluations": self.skipped_evaluations,
-            "backward_flops_skipped_fraction": (self._frozen_flops_steps / self._step) if self._step else 0.0,
-            "final_backward_flops_skipped_fraction": final["frozen_flops_fraction"],
-            "egeria_seconds": self._egeria_seconds,
-            "wall_seconds": wall,
-            "overhead_fraction": (self._egeria_seconds / wall) if wall else 0.0,
-            "train_function_rebuilds": self.engine.rebuilds,
-        }
+        return report
 
 
 def _has_accelerator() -> bool:
