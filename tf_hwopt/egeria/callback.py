@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import os
@@ -18,7 +17,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_hwopt.egeria.freezing_callback import FreezingCallback, check_positive_int, timed  # noqa: E402
+from tf_hwopt.egeria.freezing_callback import FreezingCallback, check_positive_int, fit_argument, timed  # noqa: E402
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
 from tf_hwopt.egeria.policy import EgeriaPolicy  # noqa: E402
 from tf_hwopt.egeria.reference import Reference  # noqa: E402
@@ -155,7 +154,9 @@ class EgeriaCallback(FreezingCallback):
                 input_ndim = len(self.model.inputs[0].shape)
             except (AttributeError, ValueError, IndexError, TypeError):
                 input_ndim = None
-            data = self.probe_data if self.probe_data is not None else _fit_inputs(self.model)
+            data = self.probe_data
+            if data is None:
+                data = fit_argument(self.model, "x", "`probe_data=` (training inputs or a tf.data.Dataset)")
             self._probe = draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim)
         return self._probe
 
@@ -392,21 +393,3 @@ class EgeriaCallback(FreezingCallback):
 
 def _has_accelerator() -> bool:
     return bool(tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("TPU"))
-
-
-def _fit_inputs(model):
-    """The `x` given to the `fit` call that is running `model` now."""
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
-                x = frame.f_locals.get("x")
-                if x is not None:
-                    return x
-            frame = frame.f_back
-    finally:
-        del frame
-    raise ValueError(
-        "EgeriaCallback could not find the training data of this fit. Pass "
-        "`probe_data=` (training inputs or a tf.data.Dataset) to EgeriaCallback."
-    )

@@ -12,6 +12,7 @@ the model back fully trainable at the end of `fit`. A policy subclass decides
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Sequence
 
@@ -53,6 +54,25 @@ def check_positive_int(name, value, allow_none=False):
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def fit_argument(model, name: str, what: str):
+    """Argument `name` (`"x"` or `"y"`) of the `fit` call now running `model`.
+
+    Keras does not hand callbacks the training data; the running `fit` frame
+    has it. `what` completes the error raised when it cannot be found.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                value = frame.f_locals.get(name)
+                if value is not None:
+                    return value
+            frame = frame.f_back
+    finally:
+        del frame
+    raise ValueError(f"The callback could not find the training data of this fit. It needs {what}.")
 
 
 class FreezingCallback(keras.callbacks.Callback):
