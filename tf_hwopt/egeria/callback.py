@@ -33,7 +33,8 @@ class EgeriaCallback(FreezingCallback):
     Every `eval_every` training steps the callback measures each module's
     *plasticity*: the SP loss between its output on a fixed probe batch in the
     training model and in an int8 reference model (built through TFMOT,
-    refreshed off-thread every `reference_refresh` evaluations). When the
+    refreshed every `reference_refresh` evaluations, off the training thread
+    when a GPU or TPU trains). When the
     plasticity of the frontmost still-trainable module has stopped changing
     (least-squares slope over the last `window` values, relative to their
     mean, within `tolerance` for `patience` evaluations), that module is
@@ -173,21 +174,14 @@ class EgeriaCallback(FreezingCallback):
                 self._probe,
                 asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
             )
-        steps = self.params.get("steps") if self.params else None
-        if self.eval_every is None:
-            self._eval_every = max(1, steps // 4) if steps else 200
-        else:
-            self._eval_every = self.eval_every
+        self._eval_every = self._resolve_eval_every(self.eval_every)
         self._next_eval = self._step + self._eval_every
         if self.policy.num_frozen:  # a callback reused for another fit
             self.engine.freeze_prefix(self.policy.num_frozen)
         self._resume_checked = False
 
     def _make_policy(self) -> EgeriaPolicy:
-        bootstrap = self.bootstrap_steps
-        if bootstrap is None:
-            steps = self.params.get("steps") if self.params else None
-            bootstrap = max(steps, int(0.1 * self.total_steps)) if self.total_steps else 0
+        bootstrap = self._resolve_bootstrap(self.bootstrap_steps)
         return EgeriaPolicy(
             len(self.modules),
             window=self.window,

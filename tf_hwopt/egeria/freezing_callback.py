@@ -127,11 +127,26 @@ class FreezingCallback(keras.callbacks.Callback):
         """Called after each counted training step (or execution of several)."""
 
     @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps per epoch of this fit, when Keras knows it."""
+        return self.params.get("steps") if self.params else None
+
+    @property
     def total_steps(self) -> int | None:
         """Training steps this fit will run, when Keras knows it."""
-        steps = self.params.get("steps") if self.params else None
         epochs = self.params.get("epochs") if self.params else None
-        return steps * epochs if steps and epochs else None
+        return self.steps_per_epoch * epochs if self.steps_per_epoch and epochs else None
+
+    def _resolve_eval_every(self, value: int | None) -> int:
+        """`value`, or a quarter epoch (200 steps when the epoch length is unknown)."""
+        steps = self.steps_per_epoch
+        return value or (max(1, steps // 4) if steps else 200)
+
+    def _resolve_bootstrap(self, value: int | None) -> int:
+        """`value`, or 10% of training and at least one epoch (0 when unknown)."""
+        if value is not None:
+            return value
+        return max(self.steps_per_epoch, int(0.1 * self.total_steps)) if self.total_steps else 0
 
     def _freeze(self, indices, reason: str, **details) -> None:
         changed = self.engine.freeze(indices)

@@ -129,19 +129,15 @@ class GradientNormFreezeCallback(FreezingCallback):
 
     def _setup(self, first_fit: bool) -> None:
         self._sample_input()
-        steps = self.params.get("steps") if self.params else None
         if first_fit:
-            bootstrap = self.bootstrap_steps
-            if bootstrap is None:
-                bootstrap = max(steps, int(0.1 * self.total_steps)) if self.total_steps else 0
             self.policy = GradientNormPolicy(
                 len(self.modules),
                 threshold=self.threshold,
                 patience=self.patience,
-                bootstrap_steps=bootstrap,
+                bootstrap_steps=self._resolve_bootstrap(self.bootstrap_steps),
                 max_frozen_fraction=self.max_frozen_fraction,
             )
-        self._every = self.eval_every or (max(1, steps // 4) if steps else 200)
+        self._every = self._resolve_eval_every(self.eval_every)
         self._next_eval = self._step + self._every
         self._grad_norms = self._make_grad_norms()
 
