@@ -1,0 +1,1 @@
+"""Hardware profiles (TOML data files), shipped as package data."""
