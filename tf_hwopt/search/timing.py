@@ -1,0 +1,280 @@
+"""Step timing: measured with XLA on the device present, or estimated for a target.
+
+`time_step` compiles the model's train step (Keras's own train function, with
+`jit_compile=True`) or its serving forward pass with XLA, runs warm-up steps so
+that compilation is excluded, synchronises by reading the result back to the
+host before each clock read (device work is asynchronous), times N steps and
+reports the median and the spread. The model's weights and optimizer state
+are restored afterwards: timing a candidate never trains it.
+
+`estimate_step` is for a target that is not present (a TPU profile on a
+laptop): it counts the step's FLOPs with TensorFlow's graph profiler and the
+bytes it moves, and returns the roofline floor of the target profile. The
+result says `kind="estimated"`; measured results say `kind="measured"`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from tf_hwopt._quiet import import_tensorflow_quietly
+
+import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_hwopt.flops import _graph_float_ops  # noqa: E402
+from tf_hwopt.hardware import HardwareProfile, load_profile, roofline_ms  # noqa: E402
+
+MODES = ("train", "serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTiming:
+    """The time of one step.
+
+    Attributes:
+        median_ms: median step time (or the roofline floor when estimated).
+        kind: `"measured"` or `"estimated"`; never mix the two unlabelled.
+        mode: `"train"` or `"serve"`.
+        p10_ms, p90_ms: spread of the measured steps (equal to the median
+            when estimated).
+        cv: coefficient of variation of the measured steps.
+        steps: number of timed steps (0 when estimated).
+        compile_ms: time of the first (compiling) call, excluded from the median.
+        peak_memory_bytes: peak device memory where the device reports it.
+        flops, bytes_moved: per step, when estimated.
+        device: where it was measured, or the target profile's name.
+    """
+
+    median_ms: float
+    kind: str
+    mode: str
+    p10_ms: float
+    p90_ms: float
+    cv: float
+    steps: int
+    compile_ms: float | None = None
+    peak_memory_bytes: int | None = None
+    flops: float | None = None
+    bytes_moved: float | None = None
+    device: str = ""
+
+    def label(self) -> str:
+        return f"{self.median_ms:.3f} ms ({self.kind}, {self.mode}, {self.device})"
+
+
+def _check_mode(mode):
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
+
+
+def _weights_state(model):
+    variables = list(model.variables)
+    if model.optimizer is not None:
+        variables += list(model.optimizer.variables)
+    return variables, [v.numpy() for v in variables]
+
+
+def model_memory_bytes(model, batch_size: int, mode: str = "train") -> int:
+    """A lower bound on device memory for a step: weights (+ grads and two
+    optimizer slots when training) and one batch of every layer's output."""
+    weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+    activations = 0
+    for layer in model.layers:
+        try:
+            out = layer.output
+        except (AttributeError, ValueError):
+            continue
+        for t in keras.tree.flatten(out):
+            shape = [d for d in t.shape[1:] if d is not None]
+            activations += int(np.prod(shape)) * batch_size * 4
+    factor = 4 if mode == "train" else 1  # weights, grads, 2 Adam slots
+    return weights * factor + activations
+
+
+def time_step(
+    model: keras.Model,
+    batch,
+    *,
+    mode: str = "train",
+    warmup: int = 3,
+    steps: int = 20,
+    profile: HardwareProfile | str | None = None,
+    jit_compile: bool = True,
+) -> StepTiming:
+    """Measures one XLA-compiled step of `model` on `batch` on this device.
+
+    Args:
+        model: a Keras model; compiled (loss and optimizer) for `mode="train"`.
+        batch: `(x, y)` for training, `x` (or `(x, y)`) for serving.
+        mode: `"train"` (forward, backward, optimizer update) or `"serve"`.
+        warmup: calls after the first (compiling) one that are not timed.
+        steps: timed calls; the median is reported.
+        profile: if given, a candidate whose memory lower bound exceeds the
+            profile's memory is refused before anything runs.
+        jit_compile: compile with XLA (default, as on TPU).
+
+    Returns:
+        A `StepTiming` with `kind="measured"`.
+
+    Example:
+    >>> timing = time_step(model, (x, y), mode="train")
+    >>> timing.median_ms, timing.cv
+    """
+    _check_mode(mode)
+    if not isinstance(steps, int) or steps < 3:
+        raise ValueError(f"`steps` must be an integer >= 3. Received: steps={steps!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"`warmup` must be an integer >= 0. Received: warmup={warmup!r}")
+    x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
+    batch_size = int(keras.tree.flatten(x)[0].shape[0])
+    if profile is not None:
+        profile = load_profile(profile) if isinstance(profile, str) else profile
+        need = model_memory_bytes(model, batch_size, mode)
+        have = profile.memory_gib * 2**30
+        if need > have:
+            raise ValueError(
+                f"Candidate {model.name!r} needs at least {need / 2**30:.2f} GiB for a {mode} step "
+                f"with batch {batch_size}, more than the {profile.memory_gib:g} GiB of {profile.name}."
+            )
+    if mode == "train":
+        if getattr(model, "optimizer", None) is None or getattr(model, "loss", None) is None:
+            raise ValueError("time_step(mode='train') needs a compiled model (loss and optimizer).")
+        if y is None:
+            raise ValueError("time_step(mode='train') needs `batch=(x, y)`.")
+        variables, saved = _weights_state(model)
+        previous_jit = model.jit_compile
+        model.jit_compile = jit_compile
+        model.make_train_function(force=True)
+
+        def call():
+            return model.train_on_batch(x, y, return_dict=False)
+
+    else:
+        variables = None
+        forward = tf.function(lambda inputs: model(inputs, training=False), jit_compile=jit_compile)
+
+        def call():
+            return forward(x)
+
+    def sync(result):
+        for t in keras.tree.flatten(result):
+            np.asarray(t)
+
+    try:
+        start = time.perf_counter()
+        sync(call())
+        compile_ms = 1e3 * (time.perf_counter() - start)
+        for _ in range(warmup):
+            sync(call())
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            sync(call())
+            times.append(1e3 * (time.perf_counter() - start))
+    finally:
+        if variables is not None:
+            for v, value in zip(variables, saved):
+                v.assign(value)
+            model.jit_compile = previous_jit
+            model.make_train_function(force=True)
+    times = np.asarray(times)
+    return StepTiming(
+        median_ms=float(np.median(times)),
+        kind="measured",
+        mode=mode,
+        p10_ms=float(np.percentile(times, 10)),
+        p90_ms=float(np.percentile(times, 90)),
+        cv=float(times.std() / times.mean()),
+        steps=steps,
+        compile_ms=compile_ms,
+        peak_memory_bytes=_peak_memory(),
+        device=_device_name(),
+    )
+
+
+def _device_name() -> str:
+    gpus = tf.config.list_logical_devices("GPU")
+    return gpus[0].name if gpus else "/CPU:0"
+
+
+def _peak_memory() -> int | None:
+    for device in ("GPU:0", "TPU:0"):
+        try:
+            return int(tf.config.experimental.get_memory_info(device)["peak"])
+        except (ValueError, tf.errors.NotFoundError, KeyError):
+            continue
+    return None
+
+
+def estimate_step(
+    model: keras.Model,
+    batch,
+    profile: HardwareProfile | str,
+    *,
+    mode: str = "train",
+) -> StepTiming:
+    """Estimates one step on `profile` from FLOPs and bytes moved (roofline floor).
+
+    FLOPs are counted by TensorFlow's graph profiler on the traced step
+    (forward; plus backward when training, by differentiating the loss).
+    Bytes moved: weights read (and, when training, gradients written, weights
+    and two optimizer slots read and written) plus every layer's output
+    written once and, when training, read again by the backward pass.
+
+    Returns:
+        A `StepTiming` with `kind="estimated"`.
+    """
+    _check_mode(mode)
+    profile = load_profile(profile) if isinstance(profile, str) else profile
+    x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
+    specs = keras.tree.map_structure(lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)), x)
+    trainable = model.trainable_variables
+
+    if mode == "train":
+        if getattr(model, "loss", None) is None or y is None:
+            raise ValueError("estimate_step(mode='train') needs a compiled model and `batch=(x, y)`.")
+        y_spec = tf.TensorSpec(np.shape(y), tf.as_dtype(np.asarray(y).dtype))
+
+        def fn(inputs, labels):
+            with tf.name_scope("step"), tf.GradientTape() as tape:
+                y_pred = model(inputs, training=True)
+                loss = model.compute_loss(x=inputs, y=labels, y_pred=y_pred, training=True)
+            return tape.gradient(loss, trainable)
+
+        graph = tf.function(fn).get_concrete_function(specs, y_spec).graph
+    else:
+
+        def fn(inputs):
+            with tf.name_scope("step"):
+                return model(inputs, training=False)
+
+        graph = tf.function(fn).get_concrete_function(specs).graph
+    flops = float(sum(_graph_float_ops(graph).values()))
+    batch_size = int(keras.tree.flatten(x)[0].shape[0])
+    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+    activation_bytes = model_memory_bytes(model, batch_size, "serve") - weight_bytes
+    if mode == "train":
+        bytes_moved = 7 * weight_bytes + 2 * activation_bytes
+    else:
+        bytes_moved = weight_bytes + activation_bytes
+    # The target trains and serves in its profile's dtype policy.
+    compute_dtype = "float32" if profile.dtype_policy == "float32" else "bfloat16"
+    ms = roofline_ms(flops, bytes_moved, profile, dtype=compute_dtype)
+    return StepTiming(
+        median_ms=ms,
+        kind="estimated",
+        mode=mode,
+        p10_ms=ms,
+        p90_ms=ms,
+        cv=0.0,
+        steps=0,
+        flops=flops,
+        bytes_moved=float(bytes_moved),
+        device=profile.name,
+    )
