@@ -11,6 +11,13 @@ import tf_hwopt  # noqa: E402,F401  (quiet TensorFlow import first)
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+# Two logical CPU devices (before TensorFlow's runtime starts), so that
+# MirroredStrategy's multi-replica paths run here.
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0],
+    [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()],
+)
+
 from tf_hwopt.data import load_mnist1d  # noqa: E402
 from tf_hwopt.models import resnet1d  # noqa: E402
 
