@@ -17,9 +17,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_hwopt.egeria.freezing_callback import FreezingCallback, check_positive_int, fit_argument, timed  # noqa: E402
+from tf_hwopt.egeria.freezing_callback import FreezingCallback, fit_argument, timed  # noqa: E402
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
-from tf_hwopt.egeria.policy import EgeriaPolicy  # noqa: E402
+from tf_hwopt.egeria.policy import EgeriaPolicy, check_positive_int  # noqa: E402
 from tf_hwopt.egeria.reference import Reference  # noqa: E402
 
 STATE_FILE = "egeria_state.json"

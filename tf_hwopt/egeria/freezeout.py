@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from tf_hwopt.egeria.freezing_callback import FreezingCallback
+from tf_hwopt.egeria.policy import check_fraction
 
 
 def freezeout_schedule(progress: float, num_freezable: int, freeze_start: float, freeze_level: float) -> int:
@@ -27,14 +28,6 @@ def freezeout_schedule(progress: float, num_freezable: int, freeze_start: float,
     span = 1.0 - freeze_start
     fraction = 1.0 if span <= 0 else min(1.0, (progress - freeze_start) / span)
     return min(num_freezable, int(math.floor(fraction * freeze_level * num_freezable + 1e-9)))
-
-
-def _fraction(name, value, allow_zero):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (0 <= value <= 1 if allow_zero else 0 < value <= 1)
-    if not ok:
-        interval = "[0, 1]" if allow_zero else "(0, 1]"
-        raise ValueError(f"`{name}` must be a number in {interval}. Received: {name}={value!r}")
 
 
 class FreezeOutCallback(FreezingCallback):
@@ -52,8 +45,8 @@ class FreezeOutCallback(FreezingCallback):
 
     def __init__(self, freeze_start: float = 0.5, freeze_level: float = 1.0, **kwargs):
         super().__init__(**kwargs)
-        _fraction("freeze_start", freeze_start, allow_zero=True)
-        _fraction("freeze_level", freeze_level, allow_zero=False)
+        check_fraction("freeze_start", freeze_start, allow_zero=True)
+        check_fraction("freeze_level", freeze_level)
         self.freeze_start = float(freeze_start)
         self.freeze_level = float(freeze_level)
 

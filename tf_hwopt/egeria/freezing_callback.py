@@ -49,13 +49,6 @@ def timed(method):
     return wrapper
 
 
-def check_positive_int(name, value, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-
-
 def fit_argument(model, name: str, what: str):
     """Argument `name` (`"x"` or `"y"`) of the `fit` call now running `model`.
 
@@ -220,22 +213,26 @@ class FreezingCallback(keras.callbacks.Callback):
     @timed
     def on_train_end(self, logs=None):
         self._wall_seconds += time.perf_counter() - self._wall_start
-        self._final = {
-            "frozen_modules": self.engine.num_frozen,
-            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
-        }
+        self._final = self._frozen_state()
         self.engine.restore()
         if self._writer is not None:
             self._writer.flush()
 
     # ----------------------------------------------------------------- report
 
+    def _frozen_state(self) -> dict:
+        """Frozen modules and their FLOPs share: at the end of fit, or now."""
+        if self._final is not None:
+            return self._final
+        return {
+            "frozen_modules": self.engine.num_frozen,
+            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
+        }
+
     @property
     def num_frozen(self) -> int:
         """Modules frozen now (during fit) or at the end of the last fit."""
-        if self.engine is not None and self._final is None:
-            return self.engine.num_frozen
-        return self._final["frozen_modules"] if self._final else 0
+        return self._frozen_state()["frozen_modules"] if self.engine is not None else 0
 
     def summary(self) -> dict:
         """What the callback did, as a JSON-serialisable dict.
@@ -251,10 +248,7 @@ class FreezingCallback(keras.callbacks.Callback):
             raise RuntimeError("summary() is available once fit has started.")
         total_flops = sum(m.flops or 0.0 for m in self.modules)
         wall = self._wall_seconds or (time.perf_counter() - self._wall_start if self._wall_start else 0.0)
-        final = self._final or {
-            "frozen_modules": self.engine.num_frozen,
-            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
-        }
+        final = self._frozen_state()
         return {
             "strategy": type(self).__name__,
             "modules": [

@@ -15,7 +15,8 @@ import math
 
 import numpy as np
 
-from tf_hwopt.egeria.freezing_callback import FreezingCallback, check_positive_int, fit_argument
+from tf_hwopt.egeria.freezing_callback import FreezingCallback, fit_argument
+from tf_hwopt.egeria.policy import check_fraction, check_positive_int, check_positive_number, max_frozen_modules
 
 
 def gradient_norm_change_rate(previous: float, current: float) -> float:
@@ -40,18 +41,14 @@ class GradientNormPolicy:
     """
 
     def __init__(self, num_modules, *, threshold=0.05, patience=2, bootstrap_steps=0, max_frozen_fraction=0.8):
-        if not isinstance(threshold, (int, float)) or not threshold > 0 or math.isinf(threshold):
-            raise ValueError(f"`threshold` must be a finite number > 0. Received: threshold={threshold!r}")
+        check_positive_number("threshold", threshold)
         check_positive_int("patience", patience)
-        if not isinstance(max_frozen_fraction, (int, float)) or not 0 < max_frozen_fraction <= 1:
-            raise ValueError(
-                f"`max_frozen_fraction` must be in (0, 1]. Received: max_frozen_fraction={max_frozen_fraction!r}"
-            )
+        check_fraction("max_frozen_fraction", max_frozen_fraction)
         self.num_modules = num_modules
         self.threshold = float(threshold)
         self.patience = patience
         self.bootstrap_steps = bootstrap_steps
-        self.max_frozen = min(num_modules - 1, int(math.floor(max_frozen_fraction * num_modules + 1e-9)))
+        self.max_frozen = max_frozen_modules(num_modules, max_frozen_fraction)
         self.num_frozen = 0
         self._previous = [math.nan] * num_modules
         self._calm = 0

@@ -70,9 +70,37 @@ def relative_slope(values: Sequence[float]) -> float:
     return slope / abs(mean_y)
 
 
-def _positive_int(name, value):
+def check_positive_int(name: str, value, allow_none: bool = False) -> None:
+    """Raises `ValueError` naming `name` unless `value` is an integer > 0 (or None if allowed)."""
+    if value is None and allow_none:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+
+
+def check_positive_number(name: str, value) -> None:
+    """Raises `ValueError` naming `name` unless `value` is a finite number > 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+        raise ValueError(f"`{name}` must be a finite number > 0. Received: {name}={value!r}")
+
+
+def check_fraction(name: str, value, allow_zero: bool = False) -> None:
+    """Raises `ValueError` naming `name` unless `value` is in (0, 1] (or [0, 1])."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (0 <= value <= 1 if allow_zero else 0 < value <= 1)
+    if not ok:
+        interval = "[0, 1]" if allow_zero else "(0, 1]"
+        raise ValueError(f"`{name}` must be a number in {interval}. Received: {name}={value!r}")
+
+
+def max_frozen_modules(num_modules: int, max_frozen_fraction: float) -> int:
+    """How many modules a cap of `max_frozen_fraction` allows (never the head).
+
+    Example:
+    >>> max_frozen_modules(5, 0.4), max_frozen_modules(2, 1.0)
+    (2, 1)
+    """
+    return min(num_modules - 1, int(math.floor(max_frozen_fraction * num_modules + 1e-9)))
 
 
 class EgeriaPolicy:
@@ -113,21 +141,16 @@ class EgeriaPolicy:
                 f"`num_modules` must be an integer >= 2 (modules that can freeze plus "
                 f"the head). Received: num_modules={num_modules!r}"
             )
-        _positive_int("window", window)
+        check_positive_int("window", window)
         if window < 2:
             raise ValueError(f"`window` must be at least 2 to fit a slope. Received: window={window}")
-        _positive_int("patience", patience)
-        if not isinstance(tolerance, (int, float)) or not tolerance > 0 or math.isinf(tolerance):
-            raise ValueError(f"`tolerance` must be a finite number > 0. Received: tolerance={tolerance!r}")
+        check_positive_int("patience", patience)
+        check_positive_number("tolerance", tolerance)
         if isinstance(bootstrap_steps, bool) or not isinstance(bootstrap_steps, int) or bootstrap_steps < 0:
             raise ValueError(
                 f"`bootstrap_steps` must be an integer >= 0. Received: bootstrap_steps={bootstrap_steps!r}"
             )
-        if not isinstance(max_frozen_fraction, (int, float)) or not 0 < max_frozen_fraction <= 1:
-            raise ValueError(
-                "`max_frozen_fraction` must be in (0, 1]. "
-                f"Received: max_frozen_fraction={max_frozen_fraction!r}"
-            )
+        check_fraction("max_frozen_fraction", max_frozen_fraction)
         if reopen_lr_factor is not None and (
             not isinstance(reopen_lr_factor, (int, float)) or not reopen_lr_factor > 1
         ):
@@ -151,7 +174,7 @@ class EgeriaPolicy:
     @property
     def max_frozen(self) -> int:
         """How many modules may be frozen at most (the head never is)."""
-        return min(self.num_modules - 1, int(math.floor(self.max_frozen_fraction * self.num_modules + 1e-9)))
+        return max_frozen_modules(self.num_modules, self.max_frozen_fraction)
 
     @property
     def settled(self) -> bool:
