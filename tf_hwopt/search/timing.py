@@ -80,11 +80,13 @@ def _weights_state(model):
     return variables, [v.numpy() for v in variables]
 
 
-def model_memory_bytes(model, batch_size: int, mode: str = "train") -> int:
-    """A lower bound on device memory for a step: weights (+ grads and two
-    optimizer slots when training) and one batch of every layer's output."""
-    weights = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
-    activations = 0
+def _weight_bytes(model) -> int:
+    return sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+
+
+def _activation_bytes(model, batch_size: int) -> int:
+    """One batch of every layer's output, as float32."""
+    total = 0
     for layer in model.layers:
         try:
             out = layer.output
@@ -92,9 +94,15 @@ def model_memory_bytes(model, batch_size: int, mode: str = "train") -> int:
             continue
         for t in keras.tree.flatten(out):
             shape = [d for d in t.shape[1:] if d is not None]
-            activations += int(np.prod(shape)) * batch_size * 4
+            total += int(np.prod(shape)) * batch_size * 4
+    return total
+
+
+def model_memory_bytes(model, batch_size: int, mode: str = "train") -> int:
+    """A lower bound on device memory for a step: weights (+ grads and two
+    optimizer slots when training) and one batch of every layer's output."""
     factor = 4 if mode == "train" else 1  # weights, grads, 2 Adam slots
-    return weights * factor + activations
+    return _weight_bytes(model) * factor + _activation_bytes(model, batch_size)
 
 
 def time_step(
@@ -257,8 +265,8 @@ def estimate_step(
         graph = tf.function(fn).get_concrete_function(specs).graph
     flops = float(sum(_graph_float_ops(graph).values()))
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
-    weight_bytes = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
-    activation_bytes = model_memory_bytes(model, batch_size, "serve") - weight_bytes
+    weight_bytes = _weight_bytes(model)
+    activation_bytes = _activation_bytes(model, batch_size)
     if mode == "train":
         bytes_moved = 7 * weight_bytes + 2 * activation_bytes
     else:
