@@ -69,6 +69,42 @@ def compile_model(model, optimizer="adam", jit_compile=False, steps_per_executio
     return model
 
 
+class FreezeWatcher(keras.callbacks.Callback):
+    """Snapshots each module's variables when a freezing callback (listed
+    before this one) freezes it, and every module's at train begin."""
+
+    def __init__(self, freezer):
+        super().__init__()
+        self.freezer = freezer
+        self.at_freeze = {}
+        self.at_begin = None
+
+    def on_train_begin(self, logs=None):
+        self.at_begin = {
+            m.index: [v.numpy().copy() for layer in m.layers for v in layer.weights] for m in self.freezer.modules
+        }
+
+    def on_train_batch_end(self, batch, logs=None):
+        for event in self.freezer.events:
+            i = event["module"]
+            if event["kind"] == "freeze" and i not in self.at_freeze:
+                self.at_freeze[i] = [v.numpy().copy() for layer in self.freezer.modules[i].layers for v in layer.weights]
+
+
+def module_values(freezer, i):
+    return [v.numpy() for layer in freezer.modules[i].layers for v in layer.weights]
+
+
+def assert_frozen_bit_identical_and_rest_trained(freezer, watcher):
+    assert watcher.at_freeze, "no module froze"
+    for i, before in watcher.at_freeze.items():
+        after = module_values(freezer, i)
+        assert all(np.array_equal(a, b) for a, b in zip(before, after)), f"module {i} changed after its freeze"
+    head = len(freezer.modules) - 1
+    changed = [not np.array_equal(a, b) for a, b in zip(watcher.at_begin[head], module_values(freezer, head))]
+    assert all(changed), "the head stopped training"
+
+
 def eager_freezing(**overrides):
     """EgeriaCallback settings that freeze within a few evaluations (for mechanics tests)."""
     config = dict(

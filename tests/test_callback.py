@@ -10,42 +10,14 @@ import pytest
 import tensorflow as tf
 
 import tf_hwopt
-from conftest import compile_model, eager_freezing, small_resnet
-
-
-class FreezeWatcher(keras.callbacks.Callback):
-    """Snapshots each module's variables when Egeria freezes it."""
-
-    def __init__(self, egeria):
-        super().__init__()
-        self.egeria = egeria
-        self.at_freeze = {}
-        self.at_begin = None
-
-    def on_train_begin(self, logs=None):
-        self.at_begin = {
-            m.index: [v.numpy().copy() for layer in m.layers for v in layer.weights] for m in self.egeria.modules
-        }
-
-    def on_train_batch_end(self, batch, logs=None):
-        for event in self.egeria.events:
-            i = event["module"]
-            if event["kind"] == "freeze" and i not in self.at_freeze:
-                self.at_freeze[i] = [v.numpy().copy() for layer in self.egeria.modules[i].layers for v in layer.weights]
-
-
-def _module_values(egeria, i):
-    return [v.numpy() for layer in egeria.modules[i].layers for v in layer.weights]
-
-
-def _assert_frozen_bit_identical_and_rest_trained(egeria, watcher):
-    assert watcher.at_freeze, "no module froze"
-    for i, before in watcher.at_freeze.items():
-        after = _module_values(egeria, i)
-        assert all(np.array_equal(a, b) for a, b in zip(before, after)), f"module {i} changed after its freeze"
-    head = len(egeria.modules) - 1
-    changed = [not np.array_equal(a, b) for a, b in zip(watcher.at_begin[head], _module_values(egeria, head))]
-    assert all(changed), "the head stopped training"
+from conftest import (
+    FreezeWatcher,
+    assert_frozen_bit_identical_and_rest_trained,
+    compile_model,
+    eager_freezing,
+    module_values,
+    small_resnet,
+)
 
 
 def test_freezes_during_fit_with_real_plasticity(mnist1d_small):
@@ -62,7 +34,7 @@ def test_freezes_during_fit_with_real_plasticity(mnist1d_small):
     assert first["kind"] == "freeze" and first["module"] == 0 and first["step"] >= 32
     assert len(first["window"]) == 3
     assert abs(tf_hwopt.egeria.relative_slope(first["window"])) <= 0.15
-    _assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
+    assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
     assert history.history["frozen_modules"][-1] == egeria.num_frozen
     # fit hands the model back fully trainable, as it was.
     assert all(layer.trainable for layer in model.layers)
@@ -98,7 +70,7 @@ def test_frozen_weights_stay_bit_identical(mnist1d_small, jit_compile, steps_per
     finally:
         keras.config.set_dtype_policy(previous)
     assert egeria.summary()["frozen_modules"] == 2  # the cap: 0.5 of 4 modules
-    _assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
+    assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
     assert egeria.summary()["train_function_rebuilds"] >= 2
     assert model.jit_compile == jit_compile  # XLA really was on (or off)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import tf_hwopt
-from conftest import compile_model, small_resnet
+from conftest import FreezeWatcher, assert_frozen_bit_identical_and_rest_trained, compile_model, small_resnet
 from tf_hwopt.egeria import GradientNormPolicy, freezeout_schedule, gradient_norm_change_rate
 
 
@@ -73,43 +73,17 @@ def test_bad_arguments(cls, kwargs, match):
         cls(**kwargs)
 
 
-def _frozen_unchanged(callback, snapshot):
-    for i, values in snapshot.items():
-        now = [v.numpy() for layer in callback.modules[i].layers for v in layer.weights]
-        assert all(np.array_equal(a, b) for a, b in zip(values, now))
-
-
-class _Snap:
-    """Snapshots module weights at the step each module freezes."""
-
-    def __init__(self, callback):
-        import keras
-
-        outer = self
-        self.values = {}
-
-        class Watcher(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                for e in callback.events:
-                    if e["module"] not in outer.values:
-                        outer.values[e["module"]] = [
-                            v.numpy().copy() for layer in callback.modules[e["module"]].layers for v in layer.weights
-                        ]
-
-        self.callback = Watcher()
-
-
 def test_freezeout_callback_follows_the_schedule(mnist1d_small):
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     cb = tf_hwopt.FreezeOutCallback(freeze_start=0.5, freeze_level=1.0, verbose=0)
-    snap = _Snap(cb)
-    model.fit(x[:320], y[:320], batch_size=32, epochs=4, callbacks=[cb, snap.callback], verbose=0)  # 40 steps
+    watcher = FreezeWatcher(cb)
+    model.fit(x[:320], y[:320], batch_size=32, epochs=4, callbacks=[cb, watcher], verbose=0)  # 40 steps
     steps = {e["module"]: e["step"] for e in cb.events}
     # 4 modules + head: 4 freezable; module k freezes at 50% + k/4 * 50% of 40 steps.
     assert steps == {0: 25, 1: 30, 2: 35, 3: 40}
     assert cb.summary()["frozen_modules"] == 4
-    _frozen_unchanged(cb, {k: v for k, v in snap.values.items() if k < 3})
+    assert_frozen_bit_identical_and_rest_trained(cb, watcher)
 
 
 def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
@@ -118,12 +92,12 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     cb = tf_hwopt.GradientNormFreezeCallback(
         batch_size=64, eval_every=4, threshold=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0
     )
-    snap = _Snap(cb)
-    model.fit(x[:320], y[:320], batch_size=32, epochs=3, callbacks=[cb, snap.callback], verbose=0)
+    watcher = FreezeWatcher(cb)
+    model.fit(x[:320], y[:320], batch_size=32, epochs=3, callbacks=[cb, watcher], verbose=0)
     assert cb.summary()["frozen_modules"] == 2
     assert [e["module"] for e in cb.events] == [0, 1]
     assert all(h["grad_norms"][0] > 0 for h in cb.history[:1])
     # After module 0 froze, its gradient norm is no longer computed (zero).
     after = [h for h in cb.history if h["frozen"] >= 1 and h["step"] > cb.events[0]["step"]]
     assert after and all(h["grad_norms"][0] == 0.0 for h in after)
-    _frozen_unchanged(cb, {0: snap.values[0]})
+    assert_frozen_bit_identical_and_rest_trained(cb, watcher)
