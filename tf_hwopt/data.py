@@ -56,3 +56,73 @@ def load_mnist1d(num_samples: int = 50_000, *, seed: int = 42, cache: bool = Tru
         np.savez(tmp, x=x, y=y, x_test=x_test, y_test=y_test)
         os.replace(tmp, path)
     return (x, y), (x_test, y_test)
+
+
+def _stdlib_sources() -> list:
+    """The standard library's top-level `.py` files, sorted by name."""
+    import glob
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    return sorted(glob.glob(os.path.join(root, "*.py")))
+
+
+def encode_chars(text: str) -> np.ndarray:
+    """Characters to ids: ASCII keeps its code (0..127); anything else is 0.
+
+    Example:
+    >>> encode_chars("ab\\u00e9").tolist()
+    [97, 98, 0]
+    """
+    codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    return np.where(codes < 128, codes, 0).astype(np.int32)
+
+
+def load_stdlib_chars(
+    seq_len: int = 128,
+    *,
+    max_train_chars: int | None = None,
+    max_val_chars: int | None = None,
+    val_every: int = 10,
+):
+    """Character language-model data from the Python standard library's own source.
+
+    The text of the interpreter's top-level standard-library `.py` files
+    (sorted by name; every `val_every`-th file held out for validation) is
+    encoded as ASCII ids (see `encode_chars`) and cut into non-overlapping
+    windows of `seq_len + 1` characters: inputs are the first `seq_len`,
+    targets the same shifted by one. Real text, present on every machine
+    that runs Python, nothing downloaded.
+
+    Returns:
+        `(x_train, y_train), (x_val, y_val)`, int32 arrays of shape
+        `(n, seq_len)`.
+
+    Example:
+    >>> (x, y), (x_val, y_val) = load_stdlib_chars(128, max_train_chars=1_000_000)
+    >>> (x[:, 1:] == y[:, :-1]).all()
+    True
+    """
+    for name, value in (("seq_len", seq_len), ("val_every", val_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(f"`{name}` must be an integer >= 2. Received: {name}={value!r}")
+    files = _stdlib_sources()
+    if len(files) < val_every:
+        raise RuntimeError(f"Found only {len(files)} standard-library .py files; expected at least {val_every}.")
+    train, val = [], []
+    for i, path in enumerate(files):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            (val if i % val_every == val_every - 1 else train).append(f.read())
+
+    def windows(texts, limit):
+        ids = encode_chars("\n".join(texts))
+        if limit is not None:
+            ids = ids[:limit]
+        n = (len(ids) - 1) // seq_len
+        if n < 1:
+            raise ValueError(f"Not enough text for one window of {seq_len} characters.")
+        x = ids[: n * seq_len].reshape(n, seq_len)
+        y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
+        return x, y
+
+    return windows(train, max_train_chars), windows(val, max_val_chars)

@@ -12,7 +12,6 @@ to read the saving from when wall-time ratios disagree between runs.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -23,29 +22,82 @@ import_tensorflow_quietly()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tf_hwopt._io import write_json_atomic  # noqa: E402
 from tf_hwopt.data import load_mnist1d  # noqa: E402
 from tf_hwopt.egeria.callback import EgeriaCallback  # noqa: E402
 from tf_hwopt.models import resnet1d  # noqa: E402
 
 
 class EpochClock(keras.callbacks.Callback):
-    """Records wall and process CPU time at each epoch end, from train begin.
+    """Records wall and process CPU time at each epoch end, from train begin,
+    and the epoch's validation logs.
 
     Example:
     >>> clock = EpochClock()
-    >>> model.fit(x, y, epochs=3, callbacks=[clock])
+    >>> model.fit(x, y, epochs=3, validation_data=(x_val, y_val), callbacks=[clock])
     >>> clock.wall  # cumulative seconds at the end of epochs 1, 2, 3
+    >>> clock.val["val_loss"]  # one value per epoch
     """
 
     def on_train_begin(self, logs=None):
-        self.wall, self.cpu, self.val_accuracy = [], [], []
+        self.wall, self.cpu, self.val = [], [], {}
         self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
 
     def on_epoch_end(self, epoch, logs=None):
         self.wall.append(time.perf_counter() - self._wall0)
         self.cpu.append(time.process_time() - self._cpu0)
-        if logs and "val_accuracy" in logs:
-            self.val_accuracy.append(float(logs["val_accuracy"]))
+        for key, value in (logs or {}).items():
+            if key.startswith("val_"):
+                self.val.setdefault(key, []).append(float(value))
+
+    @property
+    def val_accuracy(self) -> list:
+        return self.val.get("val_accuracy", [])
+
+
+def train_timed(
+    build_model,
+    data,
+    *,
+    epochs: int,
+    batch_size: int,
+    loss,
+    metrics=(),
+    learning_rate: float = 2e-3,
+    seed: int = 0,
+    callbacks=(),
+    verbose: int = 0,
+):
+    """Builds, compiles and fits a model under a fixed seed and LR schedule.
+
+    Every run of a comparison goes through here, so that runs differ only by
+    their callbacks: `keras.utils.set_random_seed(seed)` before building
+    (same initial weights, same shuffling order), Adam with a cosine decay
+    over the whole run, validation at each epoch end.
+
+    Returns:
+        `(model, clock)`, with the `EpochClock` of the run.
+    """
+    (x, y), validation = data
+    keras.utils.set_random_seed(seed)
+    model = build_model()
+    steps = epochs * int(np.ceil(len(y) / batch_size))
+    model.compile(
+        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(learning_rate, steps)),
+        loss=loss,
+        metrics=list(metrics),
+    )
+    clock = EpochClock()
+    model.fit(
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=epochs,
+        validation_data=validation,
+        callbacks=list(callbacks) + [clock],
+        verbose=verbose,
+    )
+    return model, clock
 
 
 def train_mnist1d(
@@ -60,25 +112,19 @@ def train_mnist1d(
     verbose: int = 0,
 ):
     """Trains the demo's ResNet on MNIST-1D; returns (model, clock, test accuracy)."""
-    (x, y), (x_test, y_test) = data
-    keras.utils.set_random_seed(seed)
-    model = resnet1d(**(model_kwargs or {}))
-    steps = epochs * int(np.ceil(len(x) / batch_size))
-    model.compile(
-        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(learning_rate, steps)),
+    model, clock = train_timed(
+        lambda: resnet1d(**(model_kwargs or {})),
+        data,
+        epochs=epochs,
+        batch_size=batch_size,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
-    )
-    clock = EpochClock()
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        validation_data=(x_test, y_test),
-        callbacks=list(callbacks) + [clock],
+        learning_rate=learning_rate,
+        seed=seed,
+        callbacks=callbacks,
         verbose=verbose,
     )
+    (_, _), (x_test, y_test) = data
     accuracy = float(model.evaluate(x_test, y_test, batch_size=1024, verbose=0)[1])
     return model, clock, accuracy
 
@@ -144,7 +190,7 @@ def run_demo(
         _plot(results, egeria, plot_path)
         say(f"Plot written to {plot_path}")
     if json_path:
-        _write_json(results, json_path)
+        write_json_atomic(results, json_path)
         say(f"JSON written to {json_path}")
     return results
 
@@ -201,11 +247,3 @@ def _plot(results, egeria, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
-
-
-def _write_json(results, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(tmp, path)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from typing import Sequence
 
@@ -17,6 +16,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf_hwopt._io import write_json_atomic  # noqa: E402
 from tf_hwopt.egeria.freezing_callback import FreezingCallback, fit_argument, timed  # noqa: E402
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
 from tf_hwopt.egeria.policy import EgeriaPolicy, check_positive_int  # noqa: E402
@@ -310,17 +310,7 @@ class EgeriaCallback(FreezingCallback):
         keep = sorted(state["snapshots"], key=int)[-_KEPT_SNAPSHOTS:]
         state["snapshots"] = {k: state["snapshots"][k] for k in keep}
         # Atomic: a kill during the write leaves the previous file intact.
-        fd, tmp = tempfile.mkstemp(dir=self.backup_dir, prefix=".egeria_state.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._state_path())
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        write_json_atomic(state, self._state_path(), indent=None)
 
     def _restore(self, epoch: int) -> None:
         state = self._read_state()

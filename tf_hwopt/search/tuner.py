@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import keras_tuner
 import numpy as np
 from keras_tuner.src.engine import tuner_utils
 
+from tf_hwopt._io import write_json_atomic
 from tf_hwopt.hardware import HardwareProfile, load_profile
 from tf_hwopt.search.oracle import LatencyAwareOracle, over_budget_message
 from tf_hwopt.search.timing import estimate_step, time_step
@@ -154,10 +152,12 @@ class LatencyAwareTuner(keras_tuner.Tuner):
     def write_pareto(self, json_path: str, png_path: str | None = None) -> list[dict]:
         """Writes the Pareto front (and all trials) as JSON, and as a plot."""
         front = self.pareto_front()
-        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump({"budget_ms": self.oracle.latency_budget_ms, "profile": self.profile.name,
-                       "pareto_front": front, "trials": self.trial_latencies()}, f, indent=2, default=str)
+        write_json_atomic(
+            {"budget_ms": self.oracle.latency_budget_ms, "profile": self.profile.name,
+             "pareto_front": front, "trials": self.trial_latencies()},
+            json_path,
+            default=str,
+        )
         if png_path:
             import matplotlib
 

@@ -1,0 +1,29 @@
+"""Atomic file writes: a reader (or a restart after a kill) never sees half a file."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+
+def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -> None:
+    """Writes `obj` as JSON to `path` through a temporary file and `os.replace`.
+
+    The temporary file lives in the same directory (so the rename is atomic)
+    and is flushed to disk before the rename; on any error it is removed and
+    the previous `path`, if any, is left as it was.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=indent, default=default)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
