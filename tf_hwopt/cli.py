@@ -1,6 +1,7 @@
 """The `tf-hwopt` command line.
 
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
+    tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +30,20 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--plot", default="egeria_demo.png", help="PNG path ('' for none)")
     demo.add_argument("--json", default=None, help="also write the numbers as JSON here")
+    bench = sub.add_parser("bench", help="benchmarks that print measured ratios side by side")
+    kinds = bench.add_subparsers(dest="bench", required=True)
+    freezing = kinds.add_parser(
+        "freezing",
+        help="no freezing vs FreezeOut vs gradient-norm vs Egeria on mnist1d and charlm, and "
+        "ResNet-20 step time with k modules frozen",
+    )
+    freezing.add_argument("--profile", choices=("quick", "full"), default="quick")
+    freezing.add_argument("--seeds", type=_positive, default=None, help="default: 1 (quick), 3 (full)")
+    freezing.add_argument("--workloads", default="mnist1d,charlm", help="comma-separated")
+    freezing.add_argument("--strategies", default="no_freeze,freezeout,gradnorm,egeria", help="comma-separated")
+    freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
+    freezing.add_argument("--json", default="bench_results/freezing.json")
+    freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")
     return parser
 
 
@@ -44,6 +59,18 @@ def main(argv=None) -> int:
             seed=args.seed,
             plot_path=args.plot or None,
             json_path=args.json,
+        )
+    elif args.command == "bench" and args.bench == "freezing":
+        from tf_hwopt.bench.freezing import run_freezing_benchmark
+
+        run_freezing_benchmark(
+            args.profile,
+            seeds=args.seeds,
+            workloads=[w for w in args.workloads.split(",") if w],
+            strategies=[s for s in args.strategies.split(",") if s],
+            throughput=not args.no_throughput,
+            json_path=args.json,
+            out_dir=args.out_dir,
         )
     return 0
 

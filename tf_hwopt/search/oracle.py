@@ -1,12 +1,12 @@
 """`LatencyAwareOracle`: a KerasTuner oracle with a step-time budget.
 
 Latency is a constraint, not just a metric. The tuner times each candidate
-before training it; an over-budget candidate is ended as a failed trial whose
-message carries its latency, and is never trained. The oracle records every
-latency it is told (from completed trials' `latency_ms` metric and from
-over-budget trials' messages, both of which travel through KerasTuner's own
-`update_trial`/`end_trial`, so the chief oracle of KerasTuner's distributed
-mode learns them unchanged) and stops proposing candidates it predicts to be
+before training it and reports the step time at once as the trial metric
+`latency_ms` through KerasTuner's own `update_trial` (which travels over gRPC
+to the chief oracle of KerasTuner's distributed mode, unlike a trial's
+message); an over-budget candidate is then ended as a failed trial and never
+trained. The oracle records every latency it is told and stops proposing
+candidates it predicts to be
 over budget: a candidate whose latency-relevant hyperparameters (integers and
 numeric choices) are all at least those of a known over-budget candidate, with
 the same categorical values, is skipped. The state is saved with the oracle,
@@ -20,13 +20,12 @@ so a tuner resumed with `overwrite=False` keeps it.
 from __future__ import annotations
 
 import math
-import re
 
 import keras_tuner
 from keras_tuner.src.engine import trial as trial_module
 
 OVER_BUDGET = "tf_hwopt:over-budget"
-_MESSAGE = re.compile(rf"{OVER_BUDGET} latency_ms=([0-9.eE+-]+) kind=(\w+)")
+LATENCY_METRICS = ("latency_ms", "latency_estimated")
 
 
 def over_budget_message(latency_ms: float, kind: str, budget_ms: float) -> str:
@@ -159,18 +158,28 @@ class LatencyAwareOracle(keras_tuner.oracles.BayesianOptimizationOracle):
             use_bayesian = False  # the model's optimum is over budget: explore instead
         return {"status": trial_module.TrialStatus.STOPPED, "values": None}
 
-    def end_trial(self, trial):
-        match = _MESSAGE.search(trial.message or "")
-        if match:
-            self.record_latency(trial.hyperparameters.values, float(match.group(1)), match.group(2))
-        else:
-            stored = self.trials.get(trial.trial_id)
-            metrics = stored.metrics if stored is not None else trial.metrics
-            if metrics.exists("latency_ms"):
-                estimated = metrics.exists("latency_estimated") and metrics.get_last_value("latency_estimated")
-                kind = "estimated" if estimated else "measured"
-                self.record_latency(trial.hyperparameters.values, metrics.get_last_value("latency_ms"), kind)
-        super().end_trial(trial)
+    @keras_tuner.synchronized
+    def update_trial(self, trial_id, metrics, step=0):
+        """As KerasTuner's, and also takes a latency-only report.
+
+        The tuner reports `{"latency_ms": ..., "latency_estimated": 0.0|1.0}`
+        before training (the objective does not exist yet); the latency is
+        recorded at once, so every worker's next proposal already avoids it.
+        """
+        latency_only = bool(metrics) and set(metrics) <= set(LATENCY_METRICS)
+        if "latency_ms" in metrics:
+            trial = self.trials[trial_id]
+            kind = "estimated" if metrics.get("latency_estimated") else "measured"
+            self.record_latency(trial.hyperparameters.values, float(metrics["latency_ms"]), kind)
+        if not latency_only:
+            return super().update_trial(trial_id, metrics, step=step)
+        trial = self.trials[trial_id]
+        for name, value in metrics.items():
+            if not trial.metrics.exists(name):
+                trial.metrics.register(name, direction="min")
+            trial.metrics.update(name, float(value), step=step)
+        self._save_trial(trial)
+        return trial
 
     def score_trial(self, trial):
         super().score_trial(trial)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras_tuner
 import numpy as np
+import tensorflow as tf
 from keras_tuner.src.engine import tuner_utils
 
 from tf_hwopt._io import write_json_atomic
@@ -32,6 +33,10 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             (roofline floor of `profile`).
         timing_mode: `"train"` or `"serve"` step.
         timing_steps: timed steps per candidate.
+        timing_jit_compile: compile the timed step with XLA. `"auto"`: yes,
+            except under a `MirroredStrategy` over CPU devices, where XLA
+            cannot reach the other replicas' variables (TensorFlow's
+            "variable on a different device" limitation).
         **kwargs: passed to `keras_tuner.Tuner` (`directory`, `project_name`,
             `overwrite`, `distribution_strategy`...).
 
@@ -50,6 +55,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         timing: str = "measured",
         timing_mode: str = "train",
         timing_steps: int = 10,
+        timing_jit_compile: bool | str = "auto",
         **kwargs,
     ):
         if not isinstance(oracle, LatencyAwareOracle):
@@ -62,7 +68,15 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         self.timing = timing
         self.timing_mode = timing_mode
         self.timing_steps = timing_steps
+        if timing_jit_compile not in (True, False, "auto"):
+            raise ValueError(
+                f"`timing_jit_compile` must be True, False or 'auto'. Received: {timing_jit_compile!r}"
+            )
+        self.timing_jit_compile = timing_jit_compile
         self.timed_candidates = 0
+        # In KerasTuner's distributed mode a worker's `self.oracle` becomes a
+        # gRPC client of the chief's; this local copy keeps the budget.
+        self.latency_oracle = oracle
         super().__init__(oracle=oracle, hypermodel=hypermodel, **kwargs)
 
     def _timing_batch(self, hp, args, kwargs):
@@ -79,22 +93,38 @@ class LatencyAwareTuner(keras_tuner.Tuner):
 
     def time_candidate(self, hp, *args, **kwargs) -> tuple[float, str]:
         """Latency of the candidate `hp` (from the oracle's record when known)."""
-        known = self.oracle.known_latency(hp.values)
+        known = self.latency_oracle.known_latency(hp.values)
         if known is not None:
             return known["latency_ms"], known["kind"]
         model = self._try_build(hp)
         batch = self._timing_batch(hp, args, kwargs)
         if self.timing == "measured":
-            result = time_step(model, batch, mode=self.timing_mode, steps=self.timing_steps, profile=self.profile)
+            result = time_step(
+                model, batch, mode=self.timing_mode, steps=self.timing_steps, profile=self.profile,
+                jit_compile=self._jit_compile(),
+            )
         else:
             result = estimate_step(model, batch, self.profile, mode=self.timing_mode)
         self.timed_candidates += 1
-        self.oracle.record_latency(hp.values, result.median_ms, result.kind)
+        self.latency_oracle.record_latency(hp.values, result.median_ms, result.kind)
         return result.median_ms, result.kind
+
+    def _jit_compile(self) -> bool:
+        if self.timing_jit_compile != "auto":
+            return self.timing_jit_compile
+        strategy = self.distribution_strategy
+        if isinstance(strategy, tf.distribute.MirroredStrategy):
+            return not all("CPU" in d.upper() for d in strategy.extended.worker_devices)
+        return True
 
     def run_trial(self, trial, *args, **kwargs):
         latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
-        oracle = self.oracle
+        oracle = self.latency_oracle
+        # Reported before training: the (chief) oracle learns it even when
+        # the trial then fails or is never trained.
+        self.oracle.update_trial(
+            trial.trial_id, {"latency_ms": latency, "latency_estimated": 1.0 if kind == "estimated" else 0.0}
+        )
         if oracle.constraint == "hard" and latency > oracle.latency_budget_ms:
             raise keras_tuner.errors.FailedTrialError(over_budget_message(latency, kind, oracle.latency_budget_ms))
         histories = super().run_trial(trial, *args, **kwargs)

@@ -1,0 +1,142 @@
+"""The freezing benchmark: its arithmetic, its argument checks, and the quick profile end to end."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tf_hwopt.bench.freezing import (
+    add_speedups,
+    reaches,
+    run_freezing_benchmark,
+    summarise_strategy,
+    target_metric,
+    time_to_target,
+)
+from tf_hwopt.bench.throughput import analytic_floor_fraction
+from tf_hwopt.cli import main
+from tf_hwopt.data import encode_chars, load_stdlib_chars
+
+
+def test_target_is_half_a_point_below_accuracy_or_one_percent_above_loss():
+    assert target_metric("accuracy", [0.97, 0.99]) == pytest.approx(0.975)
+    assert target_metric("loss", [2.0, 2.2]) == pytest.approx(2.121)
+    with pytest.raises(ValueError, match="metric"):
+        target_metric("f1", [0.5])
+
+
+def test_time_to_target_is_the_first_epoch_end_reaching_it():
+    wall = [10.0, 20.0, 30.0, 40.0]
+    assert time_to_target("accuracy", wall, [0.5, 0.96, 0.95, 0.97], 0.955) == 20.0
+    assert time_to_target("accuracy", wall, [0.5, 0.6, 0.7, 0.8], 0.955) is None
+    assert time_to_target("loss", wall, [3.0, 2.5, 2.0, 1.9], 2.02) == 30.0
+    assert not reaches("loss", math.nan, 2.0)
+
+
+def _run(seed, wall, curve):
+    return {"seed": seed, "epoch_wall_s": wall, "epoch_metric": curve, "final_metric": curve[-1],
+            "wall_time_s": wall[-1], "cpu_time_s": 2 * wall[-1], "frozen_modules": 2,
+            "overhead_fraction": 0.05, "backward_flops_skipped_fraction": 0.3}
+
+
+def test_summary_over_seeds_credits_a_time_only_when_every_seed_reaches_the_target():
+    runs = [_run(0, [1, 2, 3], [0.5, 0.9, 0.95]), _run(1, [1, 2, 4], [0.5, 0.92, 0.96])]
+    s = summarise_strategy("accuracy", runs, 0.91)
+    assert s["time_to_target_s"] == pytest.approx(2.0)  # both at their second epoch end
+    assert s["final_metric"] == pytest.approx(0.955)
+    assert s["final_metric_std"] == pytest.approx(np.std([0.95, 0.96], ddof=1))
+    assert s["reached"] == 2 and [r["time_to_target_s"] for r in s["seeds"]] == [2, 2]
+    slow = summarise_strategy("accuracy", [_run(0, [1, 2, 3], [0.5, 0.9, 0.95]),
+                                           _run(1, [1, 2, 3], [0.5, 0.8, 0.9])], 0.91)
+    assert slow["time_to_target_s"] is None and slow["reached"] == 1
+
+
+def test_speedups_are_against_no_freeze():
+    strategies = {"no_freeze": {"time_to_target_s": 30.0, "wall_time_s": 40.0, "cpu_time_s": 80.0},
+                  "egeria": {"time_to_target_s": 20.0, "wall_time_s": 32.0, "cpu_time_s": 60.0},
+                  "slow": {"time_to_target_s": None, "wall_time_s": 50.0, "cpu_time_s": 90.0}}
+    add_speedups(strategies)
+    assert strategies["egeria"]["speedup_time_to_target"] == pytest.approx(1.5)
+    assert strategies["egeria"]["speedup_wall"] == pytest.approx(1.25)
+    assert strategies["slow"]["speedup_time_to_target"] is None
+    assert strategies["no_freeze"]["speedup_cpu"] == pytest.approx(1.0)
+
+
+def test_analytic_floor():
+    flops = [1.0, 3.0, 4.0, 2.0]
+    assert analytic_floor_fraction(flops, 0) == pytest.approx(1.0)
+    # Everything frozen but nothing skipped in the forward: one third.
+    assert analytic_floor_fraction(flops, 4) == pytest.approx(1 / 3)
+    assert analytic_floor_fraction(flops, 2) == pytest.approx((10 + 2 * 6) / 30)
+    for bad in ({"module_flops": [], "k": 0}, {"module_flops": [1.0], "k": 2}, {"module_flops": [-1.0, 2.0], "k": 0}):
+        with pytest.raises(ValueError):
+            analytic_floor_fraction(**bad)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"profile": "huge"}, "profile"),
+        ({"seeds": 0}, "seeds"),
+        ({"workloads": ["imagenet"]}, "workloads"),
+        ({"strategies": ["egeria"]}, "no_freeze"),
+        ({"strategies": ["no_freeze", "magic"]}, "strategies"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_training(kwargs, match):
+    kwargs = {"profile": "quick", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        run_freezing_benchmark(kwargs.pop("profile"), verbose=0, **kwargs)
+
+
+def test_stdlib_character_data_is_shifted_by_one_and_held_out_by_file():
+    (x, y), (x_val, y_val) = load_stdlib_chars(32, max_train_chars=20_000, max_val_chars=5_000)
+    assert x.shape[1] == 32 and x.dtype == np.int32 and len(x) == (20_000 - 1) // 32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    np.testing.assert_array_equal(x[1:, 0], y[:-1, -1])  # windows are contiguous
+    assert x.max() < 128 and x_val.max() < 128
+    # Validation text comes from other files than the training text.
+    assert not any(np.array_equal(x_val[0], row) for row in x)
+    assert encode_chars("a\u00e9\n").tolist() == [97, 0, 10]
+    with pytest.raises(ValueError, match="seq_len"):
+        load_stdlib_chars(1)
+
+
+def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):
+    out = tmp_path / "freezing.json"
+    assert main(["bench", "freezing", "--profile", "quick", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert set(results["workloads"]) == {"mnist1d", "charlm"}
+    for name, w in results["workloads"].items():
+        assert w["metric"] in ("accuracy", "loss")
+        assert set(w["strategies"]) == {"no_freeze", "freezeout", "gradnorm", "egeria"}
+        base = w["strategies"]["no_freeze"]
+        assert w["target"] == pytest.approx(target_metric(w["metric"], [base["final_metric"]]))
+        # No-freeze reaches its own target, at the latest at its last epoch.
+        assert base["time_to_target_s"] is not None and base["time_to_target_s"] <= base["wall_time_s"]
+        for s, r in w["strategies"].items():
+            for key in ("final_metric", "wall_time_s", "time_to_target_s", "frozen_modules", "overhead_fraction"):
+                assert key in r, (name, s, key)
+            assert math.isfinite(r["final_metric"])
+            assert 0 < r["wall_time_s"] and 0.0 <= r["overhead_fraction"] < 1.0
+            if w["metric"] == "accuracy":
+                assert 0.0 <= r["final_metric"] <= 1.0
+            else:
+                assert 0.0 < r["final_metric"] < 8.0  # bits/char of a 128-symbol alphabet
+            run = r["seeds"][0]
+            assert len(run["epoch_wall_s"]) == len(run["epoch_metric"]) == w["epochs"]
+            assert np.all(np.diff(run["epoch_wall_s"]) > 0)
+            assert r["frozen_modules"] == sum(e["kind"] == "freeze" for e in run["freeze_events"]) - sum(
+                e["kind"] == "unfreeze" for e in run["freeze_events"])
+        assert w["strategies"]["no_freeze"]["frozen_modules"] == 0
+        # FreezeOut's schedule always freezes by the end of training.
+        assert w["strategies"]["freezeout"]["frozen_modules"] > 0
+    rows = results["throughput"]["resnet20-throughput"]["rows"]
+    assert [r["k"] for r in rows] == list(range(len(rows))) and len(rows) >= 10
+    assert rows[0]["floor_ms"] == pytest.approx(rows[0]["step_ms"])
+    assert all(r["step_ms"] > 0 for r in rows)
+    floors = [r["floor_fraction"] for r in rows]
+    assert all(a > b for a, b in zip(floors, floors[1:])) and floors[-1] > 1 / 3 - 1e-9
+    assert (tmp_path / "freezing_mnist1d.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| egeria |" in (tmp_path / "freezing.md").read_text()
