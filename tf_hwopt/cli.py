@@ -2,6 +2,7 @@
 
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
     tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
+    tf-hwopt export MODEL.keras OUT_DIR [--int8-tflite] [--representative-data X.npy] [--overwrite]
 """
 
 from __future__ import annotations
@@ -44,11 +45,21 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
     freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")
+    export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")
+    export.add_argument("model", help="a .keras file")
+    export.add_argument("out_dir", help="the SavedModel folder to create")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    export.add_argument(
+        "--int8-tflite", nargs="?", const="", default=None, metavar="PATH",
+        help="also write an int8 TFLite model (default path: OUT_DIR.tflite)",
+    )
+    export.add_argument("--representative-data", default=None, help=".npy inputs that calibrate the int8 model")
     return parser
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "demo":
         from tf_hwopt.demo import run_demo
 
@@ -72,6 +83,44 @@ def main(argv=None) -> int:
             json_path=args.json,
             out_dir=args.out_dir,
         )
+    elif args.command == "export":
+        return _export(parser, args)
+    return 0
+
+
+def _export(parser, args) -> int:
+    import json
+    import os
+
+    if not os.path.isfile(args.model) or not args.model.endswith(".keras"):
+        parser.error(f"MODEL must be an existing .keras file; got {args.model!r}")
+    if os.path.exists(args.out_dir) and not args.overwrite:
+        parser.error(f"OUT_DIR {args.out_dir!r} already exists; pass --overwrite to replace it")
+    if args.int8_tflite is not None and not args.representative_data:
+        parser.error("--int8-tflite needs --representative-data X.npy (inputs that calibrate the int8 ranges)")
+    import numpy as np
+
+    import tf_hwopt.models  # noqa: F401  (registers the package's custom layers)
+    from tf_hwopt.export import export_saved_model
+    from tf_hwopt._quiet import import_tensorflow_quietly
+
+    import_tensorflow_quietly()
+    import keras
+
+    model = keras.saving.load_model(args.model, compile=False)
+    representative = np.load(args.representative_data) if args.representative_data else None
+    tflite = None
+    if args.int8_tflite is not None:
+        tflite = args.int8_tflite or os.path.abspath(args.out_dir).rstrip(os.sep) + ".tflite"
+    result = export_saved_model(
+        model,
+        args.out_dir,
+        overwrite=args.overwrite,
+        sample=None if representative is None else representative[:8],
+        int8_tflite=tflite,
+        representative_data=representative,
+    )
+    print(json.dumps(result.to_dict()))
     return 0
 
 

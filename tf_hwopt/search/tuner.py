@@ -161,6 +161,15 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             score = "not trained" if not row["trained"] else f"score {row['score']:.4f}"
             print(f"  trial {row['trial_id']}: {lat}, {row['status']}, {score}")
 
+    def export_best(self, path: str, **kwargs) -> dict:
+        """Exports the best in-budget model as a SavedModel, with its latency beside it.
+
+        See `tf_hwopt.export_best`.
+        """
+        from tf_hwopt.export import export_best
+
+        return export_best(self, path, **kwargs)
+
     def pareto_front(self) -> list[dict]:
         """Trained trials not dominated in (objective, latency)."""
         maximize = self.oracle.objective.direction == "max"
