@@ -145,5 +145,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    try:
+        main()
+    except ValueError as err:  # bad arguments or absent hardware: say so, no traceback
+        sys.exit(f"error: {err}")
