@@ -7,6 +7,7 @@ front-to-back modules), `reference` (int8 reference model via TFMOT),
 `callback` (`EgeriaCallback`, which ties them into `model.fit`).
 """
 
+from tf_hwopt.egeria.cache import ActivationCache, fit_with_cache
 from tf_hwopt.egeria.callback import EgeriaCallback
 from tf_hwopt.egeria.freezing import FreezingEngine
 from tf_hwopt.egeria.freezing_callback import FreezingCallback

@@ -176,8 +176,6 @@ class EgeriaCallback(FreezingCallback):
             )
         self._eval_every = self._resolve_eval_every(self.eval_every)
         self._next_eval = self._step + self._eval_every
-        if self.policy.num_frozen:  # a callback reused for another fit
-            self.engine.freeze_prefix(self.policy.num_frozen)
         self._resume_checked = False
 
     def _make_policy(self) -> EgeriaPolicy:

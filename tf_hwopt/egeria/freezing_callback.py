@@ -106,6 +106,8 @@ class FreezingCallback(keras.callbacks.Callback):
         self._wall_start = None
         self._wall_seconds = 0.0
         self._final = None
+        # Modules frozen when the last fit ended, frozen again by the next fit.
+        self._frozen_between_fits: list[int] = []
 
     # ----------------------------------------------------------- subclass API
 
@@ -183,6 +185,9 @@ class FreezingCallback(keras.callbacks.Callback):
         if self.log_dir:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         self._setup(first_fit)
+        # A callback reused for another fit (e.g. one fit per phase) carries on
+        # with what it had frozen: no step of the next fit trains those modules.
+        self.engine.freeze([i for i in self._frozen_between_fits if not self.engine.frozen[i]])
 
     @timed
     def on_epoch_begin(self, epoch, logs=None):
@@ -214,6 +219,7 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._wall_seconds += time.perf_counter() - self._wall_start
         self._final = self._frozen_state()
+        self._frozen_between_fits = [i for i, f in enumerate(self.engine.frozen) if f]
         self.engine.restore()
         if self._writer is not None:
             self._writer.flush()
@@ -228,6 +234,18 @@ class FreezingCallback(keras.callbacks.Callback):
             "frozen_modules": self.engine.num_frozen,
             "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
         }
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Consecutive frozen modules from the front: now during fit, or at the end of the last fit."""
+        if self.engine is None:
+            return 0
+        if self._final is None:
+            return self.engine.frozen_prefix
+        k = 0
+        while k in self._frozen_between_fits:
+            k += 1
+        return k
 
     @property
     def num_frozen(self) -> int:

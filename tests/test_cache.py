@@ -1,0 +1,153 @@
+"""Forward skipping: cached prefix activations, the suffix trained on them, and when caching is refused."""
+
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_hwopt.egeria import FreezeOutCallback, fit_with_cache, partition_modules
+from tf_hwopt.egeria.cache import ActivationCache, cache_bytes, cut_model, epoch_order, random_augmentation_layers
+from conftest import compile_model, small_resnet
+
+
+def _loss(model, inputs, y):
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(inputs, training=True))
+
+
+def test_pure_helpers():
+    assert cache_bytes(10, (4, 8)) == 10 * 32 * 4 and cache_bytes(10, (4, 8), "bfloat16") == 10 * 32 * 2
+    with pytest.raises(ValueError, match="dtype"):
+        cache_bytes(10, (4,), "int8")
+    a, b = epoch_order(100, 3, seed=7), epoch_order(100, 3, seed=7)
+    np.testing.assert_array_equal(a, b)
+    assert sorted(a.tolist()) == list(range(100)) and not np.array_equal(a, epoch_order(100, 4, seed=7))
+
+
+def test_suffix_on_cached_activations_matches_the_whole_model_with_the_prefix_frozen(mnist1d_small):
+    x, y = mnist1d_small[0][:64], mnist1d_small[1][:64]
+    model = compile_model(small_resnet())
+    model.fit(x, y, epochs=1, verbose=0)  # non-trivial BatchNorm statistics
+    modules = partition_modules(model)
+    k = 2
+    for m in modules[:k]:
+        for layer in m.layers:
+            layer.trainable = False
+    cache = ActivationCache(model, modules, x)
+    assert cache.set_level(k) == "built"
+    ids = np.arange(16, 48)
+    suffix = cut_model(model, modules, k, len(modules))
+    with tf.GradientTape() as whole_tape:
+        whole_loss = _loss(model, x[ids], y[ids])
+    with tf.GradientTape() as suffix_tape:
+        suffix_loss = _loss(suffix, cache.lookup(ids), y[ids])
+    assert suffix.trainable_variables and len(suffix.trainable_variables) == len(model.trainable_variables)
+    np.testing.assert_allclose(suffix_loss.numpy(), whole_loss.numpy(), rtol=1e-5)
+    whole_grads = whole_tape.gradient(whole_loss, model.trainable_variables)
+    suffix_grads = suffix_tape.gradient(suffix_loss, model.trainable_variables)
+    for gw, gs in zip(whole_grads, suffix_grads):
+        np.testing.assert_allclose(gs.numpy(), gw.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def _train(data, cache, epochs=4, **kwargs):
+    x, y, x_test, y_test = data
+    model = compile_model(small_resnet())
+    freezer = FreezeOutCallback(freeze_start=0.2, freeze_level=0.75, verbose=0)
+    result = fit_with_cache(model, x[:1024], y[:1024], epochs=epochs, batch_size=64, freezer=freezer, cache=cache,
+                            validation_data=(x_test[:256], y_test[:256]), verbose=0, **kwargs)
+    return model, result
+
+
+def test_a_run_with_and_without_the_cache_ends_with_equal_weights(mnist1d_small):
+    base, plain = _train(mnist1d_small, None)
+    cached, result = _train(mnist1d_small, "memory")
+    assert [p["cache_action"] for p in plain["phases"]] == ["off"]
+    actions = [p["cache_action"] for p in result["phases"]]
+    assert "built" in actions and "extended" in actions, result["phases"]
+    assert max(p["cached_modules"] for p in result["phases"]) >= 2
+    for a, b in zip(base.weights, cached.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result["history"]["val_loss"], plain["history"]["val_loss"], rtol=1e-5)
+    # The user holds the whole model, trainable again, not the suffix.
+    assert cached.count_params() == base.count_params() and all(layer.trainable for layer in cached.layers)
+
+
+def test_a_further_freeze_runs_only_the_new_module_and_a_reopen_drops_the_cache_behind_it(mnist1d_small):
+    x = mnist1d_small[0][:300]
+    model = small_resnet()
+    modules = partition_modules(model)
+    cache = ActivationCache(model, modules, x, batch_size=128)
+    assert cache.set_level(1) == "built"
+    calls = []
+    stem = modules[0].layers[0]
+    original = stem.call
+    stem.call = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        assert cache.set_level(3) == "extended"
+        assert not calls, "extending the cache ran the already-cached module again"
+    finally:
+        stem.call = original
+    fresh = cut_model(model, modules, 0, 3).predict(x, verbose=0)
+    np.testing.assert_allclose(cache.lookup(np.arange(300)), fresh, rtol=1e-5, atol=1e-6)
+    assert cache.set_level(2) == "built"  # re-opened module 2: its output is no longer cached
+    np.testing.assert_allclose(cache.lookup([5, 7]), cut_model(model, modules, 0, 2).predict(x[[5, 7]], verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    assert cache.set_level(0) == "dropped" and cache.values is None and cache.nbytes == 0
+
+
+def _augmenting_model():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((40, 1), name="signal")
+    h = keras.layers.GaussianNoise(0.1, name="jitter")(inputs)
+    h = keras.layers.Conv1D(8, 3, name="conv")(h)
+    h = keras.layers.Flatten(name="flat")(h)
+    return compile_model(keras.Model(inputs, keras.layers.Dense(10, name="head")(h)))
+
+
+def test_random_augmentation_in_the_prefix_is_refused_or_disables_the_cache(mnist1d_small):
+    x, y = mnist1d_small[0][:256], mnist1d_small[1][:256]
+    model = _augmenting_model()
+    assert random_augmentation_layers(partition_modules(model)) == ["jitter (GaussianNoise)"]
+    before = [w.numpy().copy() for w in model.weights]
+    with pytest.raises(ValueError, match="jitter \\(GaussianNoise\\)"):
+        fit_with_cache(model, x, y, epochs=1, freezer=FreezeOutCallback(verbose=0), cache="memory", verbose=0)
+    assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights))  # refused before training
+    with pytest.warns(UserWarning, match="random augmentation.*without a cache"):
+        result = fit_with_cache(model, x, y, epochs=2, freezer=FreezeOutCallback(verbose=0), cache="auto", verbose=0)
+    assert {p["cache_action"] for p in result["phases"]} == {"off"}
+
+
+def test_stateless_per_example_augmentation_is_cached(mnist1d_small):
+    def shift(batch, ids):  # the same shift for an example every epoch
+        return np.stack([np.roll(row, int(i % 3) - 1, axis=0) for row, i in zip(batch, ids)])
+
+    base, _ = _train(mnist1d_small, None, preprocess=shift)
+    cached, result = _train(mnist1d_small, "memory", preprocess=shift)
+    assert any(p["cached_modules"] for p in result["phases"])
+    for a, b in zip(base.weights, cached.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_over_budget_goes_to_disk_with_the_numbers_and_the_files_are_removed(mnist1d_small, tmp_path):
+    with pytest.warns(UserWarning, match=r"needs [0-9.,]+ MiB, over cache_budget=0\.0 MiB.*on disk"):
+        _, result = _train(mnist1d_small, "memory", cache_budget=1000, cache_dir=str(tmp_path), cache_dtype="float16")
+    assert result["cache"]["mode"] == "disk" and result["cache"]["dtype"] == "float16"
+    assert any(p["cache_bytes"] for p in result["phases"])
+    assert os.listdir(tmp_path) == []  # the cache files are gone at the end
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"cache": "ram"}, "cache"), ({"cache_dtype": "int8"}, "cache_dtype"), ({"epochs": 0}, "epochs"),
+     ({"freezer": keras.callbacks.History()}, "freezer"), ({"cache_budget": -1}, "cache_budget")],
+)
+def test_bad_arguments_are_named(kwargs, match, mnist1d_small):
+    x, y = mnist1d_small[0][:64], mnist1d_small[1][:64]
+    args = {"epochs": 1, "freezer": FreezeOutCallback(verbose=0), **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fit_with_cache(compile_model(small_resnet()), x, y, **args)
+    with pytest.raises(ValueError, match="NumPy array"):
+        fit_with_cache(compile_model(small_resnet()), tf.data.Dataset.from_tensor_slices((x, y)), y, epochs=1,
+                       freezer=FreezeOutCallback(verbose=0))

@@ -1,0 +1,512 @@
+"""Forward skipping: cache the frozen prefix's outputs and train only the suffix.
+
+Freezing removes the backward pass of the frozen front modules; their forward
+pass still runs every step. Once modules `0..k-1` are frozen, their output
+for a given example never changes, so it is computed once, kept (in memory
+or in a file), and the rest of training runs the suffix model (modules
+`k..`) on the kept activations. This is Egeria's third mechanism.
+
+Keras's `fit` cannot swap its own input pipeline mid-run, so caching is a
+driver, `fit_with_cache`, that calls `model.fit` once per phase: the whole
+model until the first freeze, then the suffix model on cached activations.
+A phase ends at the end of the epoch in which the frozen prefix changed. The
+suffix shares its layers, variables and optimizer with the model, so the
+model the user holds is always the whole, trained model. Plain
+`model.fit(..., callbacks=[EgeriaCallback()])` is unchanged and never
+caches.
+
+Validity. A cached activation is only right if the prefix computes the same
+thing for an example every time:
+
+- Random augmentation layers (`RandomFlip`, `RandomCrop`, `GaussianNoise`,
+  ...) in a module that may freeze make caching wrong: `cache="memory"` or
+  `"disk"` is refused, naming the layers; `cache="auto"` trains without a
+  cache and warns.
+- Stateless augmentation whose randomness is a function of the example
+  (`preprocess(x_batch, example_ids)`) is supported: it is applied once when
+  an example's activation is cached.
+- Dropout in a frozen module runs as at inference (no dropout) once cached.
+
+Order. The driver shuffles with a permutation of the example ids per epoch
+drawn from `(seed, epoch)`, so runs with and without caching see the same
+examples in the same order, and each example meets its own activation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tf_hwopt._quiet import import_tensorflow_quietly
+
+import_tensorflow_quietly()
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tf_hwopt.egeria.freezing_callback import FreezingCallback  # noqa: E402
+from tf_hwopt.egeria.modules import Module, partition_modules  # noqa: E402
+
+CACHE_MODES = ("memory", "disk", "auto", None)
+CACHE_DTYPES = ("float32", "float16", "bfloat16")
+DEFAULT_CACHE_BUDGET = 2 * 2**30
+# Regularisers that are off at inference: allowed in a cached prefix (they run as at inference).
+_INFERENCE_IDENTITY = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+                       "GaussianDropout", "AlphaDropout")
+_AUGMENTATION = ("AugMix", "RandAugment", "CutMix", "MixUp", "Solarization", "GaussianNoise")
+
+
+# ------------------------------------------------------------ pure helpers
+
+
+def cache_bytes(num_examples: int, example_shape: Sequence[int], dtype: str = "float32") -> int:
+    """Size of a cache of `num_examples` activations of `example_shape`.
+
+    Example:
+    >>> cache_bytes(40_000, (10, 64), "float16")
+    51200000
+    """
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"`dtype` must be one of {CACHE_DTYPES}. Received: dtype={dtype!r}")
+    itemsize = 4 if dtype == "float32" else 2
+    return int(num_examples) * int(np.prod(example_shape)) * itemsize
+
+
+def random_augmentation_layers(modules: Sequence[Module]) -> list[str]:
+    """Names of layers in `modules` whose training-mode output is random augmentation."""
+    found = []
+    for module in modules:
+        for layer in module.layers:
+            kind = type(layer).__name__
+            if kind in _INFERENCE_IDENTITY:
+                continue
+            if kind.startswith("Random") or kind in _AUGMENTATION:
+                found.append(f"{layer.name} ({kind})")
+    return found
+
+
+def epoch_order(num_examples: int, epoch: int, seed: int | None) -> np.ndarray:
+    """The example ids of one epoch, in training order (a permutation per `(seed, epoch)`).
+
+    Example:
+    >>> epoch_order(5, 0, None).tolist()
+    [0, 1, 2, 3, 4]
+    """
+    if seed is None:
+        return np.arange(num_examples)
+    return np.random.default_rng([seed, epoch]).permutation(num_examples)
+
+
+def cut_model(model: keras.Model, modules: Sequence[Module], start: int, stop: int) -> keras.Model:
+    """The sub-model from the output of module `start - 1` (the inputs when
+    `start == 0`) to the output of module `stop - 1` (the model's outputs
+    when `stop == len(modules)`). It shares the model's layers and variables.
+    """
+    inputs = model.inputs if start == 0 else modules[start - 1].output_layer.output
+    outputs = model.outputs if stop == len(modules) else modules[stop - 1].output_layer.output
+    try:
+        return keras.Model(inputs, outputs, name=f"{model.name}_modules_{start}_{stop}")
+    except ValueError as err:
+        raise ValueError(
+            f"Modules {start}..{stop - 1} of {model.name!r} are not a self-contained sub-graph "
+            f"(their input is not only the output of module {start - 1}); caching needs module "
+            "boundaries at single tensors, as the automatic partition chooses them."
+        ) from err
+
+
+# ------------------------------------------------------------------- cache
+
+
+class ActivationCache:
+    """The frozen prefix's output for every training example, indexed by example id.
+
+    Args:
+        model: the whole model.
+        modules: its modules, front to back.
+        x: training inputs (NumPy array).
+        mode: `"memory"` or `"disk"` (a NumPy memory map in `directory`).
+        dtype: storage dtype; `"float16"`/`"bfloat16"` halve the size.
+        budget_bytes: the largest cache allowed.
+        directory: where `"disk"` caches go (default: a temporary folder).
+        preprocess: deterministic `fn(x_batch, ids) -> x_batch` applied
+            before the prefix.
+        batch_size: examples per forward pass while building.
+
+    Attributes:
+        level: number of front modules whose output is cached (0: none).
+        build_seconds: time spent building and extending.
+    """
+
+    def __init__(self, model, modules, x, *, mode="memory", dtype="float32", budget_bytes=DEFAULT_CACHE_BUDGET,
+                 directory=None, preprocess=None, batch_size=1024):
+        self.model, self.modules, self.x = model, list(modules), x
+        self.mode, self.dtype, self.budget_bytes = mode, dtype, budget_bytes
+        self.directory, self.preprocess, self.batch_size = directory, preprocess, batch_size
+        self.level = 0
+        self.values = None
+        self.build_seconds = 0.0
+        self.builds = 0
+        self.extensions = 0
+        self._tmpdir = None
+        self._path = None
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.x)
+
+    def bytes_for(self, level: int) -> int:
+        shape = self.modules[level - 1].output_layer.output.shape[1:]
+        return cache_bytes(self.num_examples, shape, self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_for(self.level) if self.level else 0
+
+    def _storage_dtype(self):
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        return np.dtype(self.dtype)
+
+    def _allocate(self, shape):
+        if self.mode == "memory":
+            return np.empty(shape, self._storage_dtype())
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="tf_hwopt_cache_", dir=self.directory)
+        path = os.path.join(self._tmpdir, f"level{self.level}_{time.monotonic_ns()}.npy")
+        values = np.lib.format.open_memmap(path, mode="w+", dtype=self._storage_dtype(), shape=shape)
+        return values, path
+
+    def _run(self, sub_model, source, ids_to_inputs):
+        n = self.num_examples
+        shape = (n,) + tuple(sub_model.outputs[0].shape[1:])
+        allocated = self._allocate(shape)
+        values, path = allocated if isinstance(allocated, tuple) else (allocated, None)
+        forward = tf.function(lambda inputs: sub_model(inputs, training=False))
+        for start in range(0, n, self.batch_size):
+            ids = np.arange(start, min(n, start + self.batch_size))
+            values[start : start + len(ids)] = np.asarray(forward(ids_to_inputs(source, ids))).astype(values.dtype)
+        return values, path
+
+    def _raw_inputs(self, x, ids):
+        batch = x[ids]
+        return self.preprocess(batch, ids) if self.preprocess is not None else batch
+
+    def set_level(self, level: int) -> str:
+        """Makes the cache hold the output of modules `0..level-1`.
+
+        Extends from the current level by running only the newly frozen
+        modules on the cached activations; after a re-open (a lower level)
+        the cache behind it is dropped and rebuilt from the inputs. Returns
+        what was done: `"kept"`, `"extended"`, `"built"` or `"dropped"`.
+        """
+        if level == self.level:
+            return "kept"
+        start = time.perf_counter()
+        old_path = self._path
+        if level == 0:
+            action, self.values, self._path = "dropped", None, None
+        elif level > self.level and self.values is not None:
+            sub = cut_model(self.model, self.modules, self.level, level)
+            source = self.values
+            self.values, self._path = self._run(sub, source, lambda v, ids: v[ids].astype(np.float32))
+            action = "extended"
+            self.extensions += 1
+        else:
+            sub = cut_model(self.model, self.modules, 0, level)
+            self.values, self._path = self._run(sub, self.x, self._raw_inputs)
+            action = "built"
+            self.builds += 1
+        self.level = level
+        if old_path and old_path != self._path and os.path.exists(old_path):
+            os.remove(old_path)
+        self.build_seconds += time.perf_counter() - start
+        return action
+
+    def lookup(self, ids) -> np.ndarray:
+        """Cached activations of examples `ids`, as float32."""
+        return np.asarray(self.values[np.asarray(ids)], dtype=np.float32)
+
+    def close(self) -> None:
+        """Frees the memory and deletes the files of the cache."""
+        self.values = None
+        self.level = 0
+        if self._tmpdir and os.path.exists(self._tmpdir):
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tmpdir = self._path = None
+
+
+# ------------------------------------------------------------------ driver
+
+
+def _dataset(num_examples, epochs, seed, batch_size, features_of, labels):
+    """Batches `(features, labels)` of epochs `epochs`, in `epoch_order`, prefetched."""
+    ids = np.concatenate([epoch_order(num_examples, e, seed) for e in epochs]).astype(np.int64)
+    ends = np.cumsum([num_examples] * len(epochs))
+    # Batch each epoch on its own, so that a short last batch stays in its epoch.
+    bounds = [s for begin in np.concatenate([[0], ends[:-1]]) for s in range(begin, begin + num_examples, batch_size)]
+    bounds.append(len(ids))
+    splits = np.asarray(bounds, dtype=np.int64)
+    sample = features_of(np.arange(1))
+    spec = tf.TensorSpec((None,) + sample.shape[1:], tf.float32 if sample.dtype.kind == "f" else sample.dtype)
+
+    def gather(i):
+        batch_ids = ids[splits[i] : splits[i + 1]]
+        return features_of(batch_ids).astype(spec.dtype.as_numpy_dtype), labels[batch_ids]
+
+    def load(i):
+        x, y = tf.numpy_function(gather, [i], (spec.dtype, tf.as_dtype(labels.dtype)), stateful=False)
+        x.set_shape(spec.shape)
+        y.set_shape((None,) + labels.shape[1:])
+        return x, y
+
+    return tf.data.Dataset.range(len(splits) - 1).map(load).prefetch(tf.data.AUTOTUNE)
+
+
+class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
+    """Stops this phase's fit at the end of an epoch in which the frozen prefix changed."""
+
+    def __init__(self, freezer, level):
+        super().__init__()
+        self.freezer, self.level = freezer, level
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.freezer.frozen_prefix != self.level:
+            self.model.stop_training = True
+
+
+class _OnWholeModel(keras.callbacks.Callback):
+    """Runs a freezing callback for the whole model while `fit` trains the suffix."""
+
+    def __init__(self, inner: FreezingCallback, whole: keras.Model):
+        super().__init__()
+        self.inner, self.whole = inner, whole
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.inner.set_model(self.whole)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.inner.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        self.inner.on_train_begin(logs)
+        # A freeze mid-phase flips `trainable` on layers the suffix shares:
+        # its train function must be rebuilt too.
+        self.inner.engine.listeners.append(lambda kind, indices: self.model.make_train_function(force=True))
+
+    def on_train_end(self, logs=None):
+        self.inner.on_train_end(logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.inner.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.inner.on_epoch_end(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.inner.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.inner.on_train_batch_end(batch, logs)
+
+
+def _compile_like(suffix: keras.Model, model: keras.Model) -> None:
+    config = getattr(model, "_compile_config", None)
+    config = getattr(config, "config", None)
+    if not config:
+        raise ValueError("fit_with_cache needs a model compiled with `model.compile(...)`.")
+    suffix.compile(
+        optimizer=model.optimizer,  # shared: same slots, same step counter, same LR schedule
+        loss=config.get("loss"),
+        loss_weights=config.get("loss_weights"),
+        metrics=config.get("metrics"),
+        weighted_metrics=config.get("weighted_metrics"),
+        run_eagerly=model.run_eagerly,
+        steps_per_execution=config.get("steps_per_execution", 1),
+        jit_compile=model.jit_compile,
+    )
+
+
+def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data):
+    if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
+        raise ValueError("`model` must be a compiled keras.Model (call `model.compile(...)` first).")
+    if isinstance(x, tf.data.Dataset) or not hasattr(x, "__len__") or not hasattr(x, "shape"):
+        raise ValueError(
+            "`x` must be a NumPy array: caching keys activations by example id, which a "
+            f"tf.data pipeline does not expose. Received: {type(x).__name__}"
+        )
+    if len(x) != len(y):
+        raise ValueError(f"`x` and `y` must have the same length; got {len(x)} and {len(y)}.")
+    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    if not isinstance(freezer, FreezingCallback):
+        raise ValueError(
+            "`freezer` must be a freezing callback (EgeriaCallback, FreezeOutCallback, "
+            f"GradientNormFreezeCallback). Received: {type(freezer).__name__}"
+        )
+    if cache not in CACHE_MODES:
+        raise ValueError(f"`cache` must be one of {CACHE_MODES}. Received: cache={cache!r}")
+    if cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"`cache_dtype` must be one of {CACHE_DTYPES}. Received: cache_dtype={cache_dtype!r}")
+    if not isinstance(cache_budget, (int, float)) or cache_budget <= 0:
+        raise ValueError(f"`cache_budget` must be a positive number of bytes. Received: {cache_budget!r}")
+    if validation_data is not None and (not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2):
+        raise ValueError("`validation_data` must be `(x_val, y_val)` NumPy arrays.")
+
+
+def _choose_mode(cache, estimate, budget, directory) -> tuple[str | None, str | None]:
+    """(mode, message) for a cache of `estimate` bytes under `budget`."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    if cache is None:
+        return None, None
+    if cache in ("memory", "auto") and estimate <= budget:
+        return "memory", None
+    free = shutil.disk_usage(directory or tempfile.gettempdir()).free
+    if cache == "disk" or estimate <= free // 2:
+        if estimate > free // 2:
+            return None, (f"the cache needs {mib(estimate)}, more than half the {mib(free)} free on disk; "
+                          "training without a cache")
+        why = "" if cache == "disk" else (f"the cache needs {mib(estimate)}, over cache_budget={mib(budget)}; "
+                                          "keeping it on disk instead of in memory")
+        return "disk", why or None
+    return None, f"the cache needs {mib(estimate)}, over cache_budget={mib(budget)} and the disk; no cache"
+
+
+def fit_with_cache(
+    model: keras.Model,
+    x,
+    y,
+    *,
+    epochs: int,
+    batch_size: int = 32,
+    freezer: FreezingCallback,
+    cache: str | None = "auto",
+    cache_dtype: str = "float32",
+    cache_budget: float = DEFAULT_CACHE_BUDGET,
+    cache_dir: str | None = None,
+    preprocess: Callable | None = None,
+    validation_data=None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    seed: int | None = 0,
+    verbose: int = 1,
+) -> dict:
+    """Trains `model` with a freezing callback, caching the frozen prefix's outputs.
+
+    Args:
+        model: a compiled Functional or Sequential model.
+        x, y: training inputs and targets (NumPy arrays).
+        epochs, batch_size: as for `model.fit`.
+        freezer: the freezing callback that decides what freezes
+            (usually `EgeriaCallback()`).
+        cache: `"memory"`, `"disk"`, `"auto"` (memory within budget, else
+            disk, else none) or `None` (same driver, same data order, no
+            cache: the baseline to compare with).
+        cache_dtype: `"float32"`, or `"float16"`/`"bfloat16"` to halve it.
+        cache_budget: the most bytes the cache may take in memory.
+        cache_dir: folder of `"disk"` caches (default: a temporary folder,
+            removed at the end).
+        preprocess: deterministic `fn(x_batch, example_ids) -> x_batch`
+            (stateless augmentation with per-example seeds).
+        validation_data: `(x_val, y_val)`, evaluated at each epoch end.
+        callbacks: more Keras callbacks (they see the model being fit: the
+            whole model before the first cached phase, then the suffix).
+        seed: shuffling seed (`None`: no shuffling).
+
+    Returns:
+        `{"history": {metric: [per epoch]}, "phases": [...], "cache": {...}}`;
+        each phase gives its first epoch, frozen prefix, cache action and size.
+
+    Example:
+    >>> egeria = tf_hwopt.EgeriaCallback()
+    >>> result = tf_hwopt.egeria.fit_with_cache(model, x, y, epochs=10, batch_size=256,
+    ...                                         freezer=egeria, cache="memory")
+    >>> result["phases"]
+    """
+    _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data)
+    x, y = np.asarray(x), np.asarray(y)
+    modules = freezer.modules or partition_modules(model, freezer.module_names)
+    augmenting = random_augmentation_layers(modules[:-1])
+    if augmenting and cache is not None:
+        message = (f"random augmentation in modules that may freeze ({', '.join(augmenting)}): a cached "
+                   "activation would repeat one random draw forever. Move augmentation to `preprocess` "
+                   "with per-example seeds, or train without a cache")
+        if cache != "auto":
+            raise ValueError(f"Cannot cache: {message}.")
+        warnings.warn(f"fit_with_cache: {message}; training without a cache.", stacklevel=2)
+        cache = None
+    largest = max(cache_bytes(len(x), m.output_layer.output.shape[1:], cache_dtype) for m in modules[:-1])
+    mode, message = _choose_mode(cache, largest, cache_budget, cache_dir)
+    if message:
+        warnings.warn(f"fit_with_cache: {message}.", stacklevel=2)
+    _give_data(freezer, x, y)
+
+    store = ActivationCache(model, modules, x, mode=mode or "memory", dtype=cache_dtype,
+                            budget_bytes=cache_budget, directory=cache_dir, preprocess=preprocess,
+                            batch_size=max(batch_size, 256))
+    steps = int(math.ceil(len(x) / batch_size))
+    raw = (lambda ids: store._raw_inputs(x, ids))
+    history, phases = {}, []
+    epoch, suffixes = 0, {}
+    try:
+        while epoch < epochs:
+            level = freezer.frozen_prefix
+            if mode is None:
+                level_cached = 0
+            else:
+                level_cached = level
+                action = store.set_level(level)
+            if level_cached == 0:
+                target, features, fit_callbacks = model, raw, [freezer]
+                val = validation_data
+            else:
+                if level not in suffixes:
+                    suffixes[level] = cut_model(model, modules, level, len(modules))
+                    _compile_like(suffixes[level], model)
+                target, features = suffixes[level], store.lookup
+                fit_callbacks = [_OnWholeModel(freezer, model)]
+                val = None
+                if validation_data is not None:
+                    prefix = cut_model(model, modules, 0, level)
+                    val = (prefix.predict(validation_data[0], batch_size=1024, verbose=0), validation_data[1])
+            phases.append({
+                "first_epoch": epoch, "frozen_prefix": level, "cached_modules": level_cached,
+                "cache_action": action if mode is not None else "off",
+                "cache_bytes": store.nbytes if level_cached else 0,
+            })
+            data = _dataset(len(x), range(epoch, epochs), seed, batch_size, features, y)
+            stopper = _EndPhaseOnPrefixChange(freezer, level) if mode is not None else None
+            result = target.fit(
+                data, epochs=epochs, initial_epoch=epoch, steps_per_epoch=steps, validation_data=val,
+                callbacks=fit_callbacks + list(callbacks) + ([stopper] if stopper else []), verbose=verbose,
+                shuffle=False,  # the pipeline is already in `epoch_order`
+            )
+            for key, values in result.history.items():
+                history.setdefault(key, []).extend(values)
+            if not result.epoch:
+                break
+            epoch = result.epoch[-1] + 1
+    finally:
+        summary = {"mode": mode, "dtype": cache_dtype, "build_seconds": store.build_seconds,
+                   "builds": store.builds, "extensions": store.extensions,
+                   "largest_bytes_estimate": largest}
+        store.close()
+    return {"history": history, "phases": phases, "cache": summary}
+
+
+def _give_data(freezer, x, y) -> None:
+    """Hands the freezer the training arrays it would otherwise read from `fit`'s arguments."""
+    if hasattr(freezer, "probe_data") and freezer.probe_data is None:
+        freezer.probe_data = x
+    if hasattr(freezer, "data") and getattr(freezer, "data", None) is None and "GradientNorm" in type(freezer).__name__:
+        freezer.data = (x, y)
