@@ -110,7 +110,8 @@ def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):
     assert set(results["workloads"]) == {"mnist1d", "charlm"}
     for name, w in results["workloads"].items():
         assert w["metric"] in ("accuracy", "loss")
-        assert set(w["strategies"]) == {"no_freeze", "freezeout", "gradnorm", "egeria"}
+        expected = {"no_freeze", "freezeout", "gradnorm", "egeria"} | ({"egeria+cache"} if name == "mnist1d" else set())
+        assert set(w["strategies"]) == expected
         base = w["strategies"]["no_freeze"]
         assert w["target"] == pytest.approx(target_metric(w["metric"], [base["final_metric"]]))
         # No-freeze reaches its own target, at the latest at its last epoch.
@@ -133,10 +134,16 @@ def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):
         # FreezeOut's schedule always freezes by the end of training.
         assert w["strategies"]["freezeout"]["frozen_modules"] > 0
     rows = results["throughput"]["resnet20-throughput"]["rows"]
-    assert [r["k"] for r in rows] == list(range(len(rows))) and len(rows) >= 10
+    assert [r["k"] for r in rows] == [0, 5, 10]  # quick: three points; full: every k
     assert rows[0]["floor_ms"] == pytest.approx(rows[0]["step_ms"])
     assert all(r["step_ms"] > 0 for r in rows)
     floors = [r["floor_fraction"] for r in rows]
     assert all(a > b for a, b in zip(floors, floors[1:])) and floors[-1] > 1 / 3 - 1e-9
+    caching = results["throughput"]["resnet20-throughput"]["caching"]
+    assert [r["k"] for r in caching] == [5]
+    assert all(r["cached_step_ms"] > 0 and r["ratio"] == pytest.approx(r["cached_step_ms"] / r["suffix_alone_step_ms"])
+               for r in caching)
+    cached_run = results["workloads"]["mnist1d"]["strategies"]["egeria+cache"]["seeds"][0]
+    assert cached_run["cache"]["phases"][0]["first_epoch"] == 0
     assert (tmp_path / "freezing_mnist1d.png").read_bytes()[:4] == b"\x89PNG"
     assert "| egeria |" in (tmp_path / "freezing.md").read_text()

@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--profile", choices=("quick", "full"), default="quick")
     freezing.add_argument("--seeds", type=_positive, default=None, help="default: 1 (quick), 3 (full)")
     freezing.add_argument("--workloads", default="mnist1d,charlm", help="comma-separated")
-    freezing.add_argument("--strategies", default="no_freeze,freezeout,gradnorm,egeria", help="comma-separated")
+    freezing.add_argument(
+        "--strategies", default="no_freeze,freezeout,gradnorm,egeria,egeria+cache",
+        help="comma-separated (egeria+cache runs on mnist1d only)",
+    )
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
     freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")

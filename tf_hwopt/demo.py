@@ -39,9 +39,15 @@ class EpochClock(keras.callbacks.Callback):
     >>> clock.val["val_loss"]  # one value per epoch
     """
 
+    def __init__(self):
+        super().__init__()
+        self._wall0 = None
+
     def on_train_begin(self, logs=None):
-        self.wall, self.cpu, self.val = [], [], {}
-        self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
+        # Started once: a run made of several fits (one per phase) has one clock.
+        if self._wall0 is None:
+            self.wall, self.cpu, self.val = [], [], {}
+            self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
 
     def on_epoch_end(self, epoch, logs=None):
         self.wall.append(time.perf_counter() - self._wall0)
@@ -53,6 +59,21 @@ class EpochClock(keras.callbacks.Callback):
     @property
     def val_accuracy(self) -> list:
         return self.val.get("val_accuracy", [])
+
+
+def compiled_model(build_model, num_examples: int, *, epochs: int, batch_size: int, loss, metrics=(),
+                   learning_rate: float = 2e-3, seed: int = 0):
+    """A model from `build_model()` under `seed`, compiled with Adam and a cosine
+    decay over `epochs` of `num_examples` (the recipe every compared run shares)."""
+    keras.utils.set_random_seed(seed)
+    model = build_model()
+    steps = epochs * int(np.ceil(num_examples / batch_size))
+    model.compile(
+        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(learning_rate, steps)),
+        loss=loss,
+        metrics=list(metrics),
+    )
+    return model
 
 
 def train_timed(
@@ -79,14 +100,8 @@ def train_timed(
         `(model, clock)`, with the `EpochClock` of the run.
     """
     (x, y), validation = data
-    keras.utils.set_random_seed(seed)
-    model = build_model()
-    steps = epochs * int(np.ceil(len(y) / batch_size))
-    model.compile(
-        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(learning_rate, steps)),
-        loss=loss,
-        metrics=list(metrics),
-    )
+    model = compiled_model(build_model, len(y), epochs=epochs, batch_size=batch_size, loss=loss, metrics=metrics,
+                           learning_rate=learning_rate, seed=seed)
     clock = EpochClock()
     model.fit(
         x,

@@ -16,6 +16,7 @@ from tf_hwopt._quiet import import_tensorflow_quietly
 import_tensorflow_quietly()
 
 import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
 from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
@@ -47,6 +48,7 @@ def freezing_throughput(
     model: keras.Model,
     batch,
     *,
+    ks=None,
     steps: int = 20,
     warmup: int = 3,
     jit_compile: bool = True,
@@ -75,7 +77,7 @@ def freezing_throughput(
     engine = FreezingEngine(model, modules)
     rows = []
     try:
-        for k in range(len(modules)):
+        for k in range(len(modules)) if ks is None else sorted(set(ks) | {0}):
             engine.freeze_prefix(k)
             timing = time_step(model, batch, steps=steps, warmup=warmup, jit_compile=jit_compile)
             rows.append({"k": k, "step_ms": timing.median_ms, "p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms})
@@ -96,6 +98,65 @@ def freezing_throughput(
     }
 
 
+def _fit_step_ms(model, dataset, steps: int) -> float:
+    """Seconds per step of `model.fit` on `dataset` (after a warm-up fit that traces)."""
+    import time
+
+    if model.train_function is None:
+        model.fit(dataset, steps_per_epoch=2, epochs=1, verbose=0, shuffle=False)  # traces
+    start = time.perf_counter()
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, shuffle=False)
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
+def caching_throughput(model: keras.Model, x, y, *, batch_size: int, steps: int, ks=None, verbose: int = 0) -> list:
+    """Step time of the suffix trained from the activation cache, against a suffix-alone model.
+
+    For each k (default: every module before the head), the first k modules'
+    outputs for `x` are cached (`ActivationCache`) and the suffix is trained
+    by `model.fit` from the cache pipeline that `fit_with_cache` uses
+    (gather by example id, prefetch). The comparison is the same suffix
+    trained by `model.fit` on one batch already in memory: a model made of
+    the suffix alone, with no cache behind it. Weights are restored after.
+
+    Returns:
+        Rows `{"k", "cached_step_ms", "suffix_alone_step_ms", "ratio"}`.
+    """
+    from tf_hwopt.egeria.cache import ActivationCache, _compile_like, _dataset, cut_model
+
+    modules = partition_modules(model)
+    ks = list(range(1, len(modules) - 1 + 1)) if ks is None else list(ks)
+    saved = [v.numpy() for v in model.variables]
+    rows = []
+    try:
+        for k in ks:
+            cache = ActivationCache(model, modules, x)
+            cache.set_level(k)
+            suffix = cut_model(model, modules, k, len(modules))
+            _compile_like(suffix, model)
+            cached = _dataset(len(x), range(100), 0, batch_size, cache.values, y).repeat()
+            batch = (cache.lookup(np.arange(batch_size)), y[:batch_size])
+            alone = tf.data.Dataset.from_tensors(batch).repeat()
+            # Alternate the two, three times each, and keep the medians: a
+            # shared machine's slow minute then falls on both.
+            times = {"cached": [], "alone": []}
+            for _ in range(3):
+                times["cached"].append(_fit_step_ms(suffix, cached, steps))
+                times["alone"].append(_fit_step_ms(suffix, alone, steps))
+            row = {"k": k, "cached_step_ms": float(np.median(times["cached"])),
+                   "suffix_alone_step_ms": float(np.median(times["alone"]))}
+            row["ratio"] = row["cached_step_ms"] / row["suffix_alone_step_ms"]
+            rows.append(row)
+            cache.close()
+            if verbose:
+                print(f"  k={k:2d} cached: {row['cached_step_ms']:8.2f} ms/step, suffix alone "
+                      f"{row['suffix_alone_step_ms']:8.2f} ms/step, ratio {row['ratio']:.3f}", flush=True)
+    finally:
+        for v, value in zip(model.variables, saved):
+            v.assign(value)
+    return rows
+
+
 def resnet20_throughput(profile: str = "full", *, seed: int = 0, verbose: int = 0) -> dict:
     """`freezing_throughput` of ResNet-20 on a synthetic CIFAR-shaped batch."""
     from tf_hwopt.models import resnet20
@@ -112,6 +173,17 @@ def resnet20_throughput(profile: str = "full", *, seed: int = 0, verbose: int = 
         rng.standard_normal((batch_size, 32, 32, 3)).astype("float32"),
         rng.integers(0, 10, batch_size).astype("int32"),
     )
-    result = freezing_throughput(model, batch, steps=steps, warmup=2 if profile == "full" else 1, verbose=verbose)
+    # The quick profile (a smoke run) times three points of the curve; full times every k.
+    quick_ks = None if profile == "full" else [0, 5, 10]
+    result = freezing_throughput(model, batch, ks=quick_ks, steps=steps, warmup=2 if profile == "full" else 1,
+                                 verbose=verbose)
+    n = batch_size * (8 if profile == "full" else 2)
+    x = rng.standard_normal((n, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, n).astype("int32")
+    if verbose:
+        print("  with forward skipping (fit_with_cache's pipeline) against the suffix alone:", flush=True)
+    last = len(result["modules"]) - 1
+    ks = sorted(set(range(1, last + 1, 2)) | {last}) if profile == "full" else [last // 2]
+    result["caching"] = caching_throughput(model, x, y, batch_size=batch_size, steps=2 * steps, ks=ks, verbose=verbose)
     result.update({"model": "resnet20", "batch_size": batch_size, "input_shape": [32, 32, 3], "data": "synthetic"})
     return result

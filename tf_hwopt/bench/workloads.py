@@ -72,7 +72,7 @@ def _check_profile(profile: str) -> None:
 def mnist1d_workload(profile: str = "full") -> Workload:
     """A 1D ResNet on MNIST-1D (40,000 training examples in `full`)."""
     _check_profile(profile)
-    samples, epochs = (50_000, 10) if profile == "full" else (4_000, 3)
+    samples, epochs = (50_000, 10) if profile == "full" else (3_000, 2)
     data = load_mnist1d(samples)
     return Workload(
         name="mnist1d",
@@ -97,9 +97,9 @@ def charlm_workload(profile: str = "full") -> Workload:
     _check_profile(profile)
     seq_len = 64
     if profile == "full":
-        train_chars, val_chars, epochs = 400_000, 100_000, 6
+        train_chars, val_chars, epochs = 320_000, 100_000, 6
     else:
-        train_chars, val_chars, epochs = 40_000, 12_000, 2
+        train_chars, val_chars, epochs = 40_000, 12_000, 1
     data = load_stdlib_chars(seq_len, max_train_chars=train_chars, max_val_chars=val_chars)
     return Workload(
         name="charlm",

@@ -247,28 +247,44 @@ class ActivationCache:
 # ------------------------------------------------------------------ driver
 
 
-def _dataset(num_examples, epochs, seed, batch_size, features_of, labels):
-    """Batches `(features, labels)` of epochs `epochs`, in `epoch_order`, prefetched."""
+def _dataset(num_examples, epochs, seed, batch_size, features, labels):
+    """Batches `(features, labels)` of epochs `epochs`, in `epoch_order`, prefetched.
+
+    `features` is an array held in memory (gathered inside TensorFlow's graph,
+    no Python per batch) or a function `ids -> array` (a file-backed cache,
+    or per-example preprocessing), called through `tf.numpy_function`.
+    """
     ids = np.concatenate([epoch_order(num_examples, e, seed) for e in epochs]).astype(np.int64)
-    ends = np.cumsum([num_examples] * len(epochs))
     # Batch each epoch on its own, so that a short last batch stays in its epoch.
-    bounds = [s for begin in np.concatenate([[0], ends[:-1]]) for s in range(begin, begin + num_examples, batch_size)]
-    bounds.append(len(ids))
-    splits = np.asarray(bounds, dtype=np.int64)
-    sample = features_of(np.arange(1))
-    spec = tf.TensorSpec((None,) + sample.shape[1:], tf.float32 if sample.dtype.kind == "f" else sample.dtype)
+    bounds = [b for e in range(len(epochs)) for b in range(e * num_examples, (e + 1) * num_examples, batch_size)]
+    splits = tf.constant(bounds + [len(ids)], dtype=tf.int64)
+    ids_t = tf.constant(ids)
+    labels_t = tf.convert_to_tensor(labels)
+    if callable(features):
+        sample = np.asarray(features(np.arange(1)))
+        dtype = tf.float32 if sample.dtype.kind == "f" else tf.as_dtype(sample.dtype)
+        shape = (None,) + sample.shape[1:]
 
-    def gather(i):
-        batch_ids = ids[splits[i] : splits[i + 1]]
-        return features_of(batch_ids).astype(spec.dtype.as_numpy_dtype), labels[batch_ids]
+        def gather(batch_ids):
+            return np.asarray(features(batch_ids)).astype(dtype.as_numpy_dtype)
 
-    def load(i):
-        x, y = tf.numpy_function(gather, [i], (spec.dtype, tf.as_dtype(labels.dtype)), stateful=False)
-        x.set_shape(spec.shape)
-        y.set_shape((None,) + labels.shape[1:])
-        return x, y
+        def load(i):
+            batch_ids = ids_t[splits[i] : splits[i + 1]]
+            x = tf.numpy_function(gather, [batch_ids], dtype, stateful=False)
+            x.set_shape(shape)
+            return x, tf.gather(labels_t, batch_ids)
 
-    return tf.data.Dataset.range(len(splits) - 1).map(load).prefetch(tf.data.AUTOTUNE)
+    else:
+        table = tf.convert_to_tensor(features)
+
+        def load(i):
+            batch_ids = ids_t[splits[i] : splits[i + 1]]
+            x = tf.gather(table, batch_ids)
+            return (tf.cast(x, tf.float32) if x.dtype.is_floating else x), tf.gather(labels_t, batch_ids)
+
+    return tf.data.Dataset.range(len(bounds)).map(load, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
+        tf.data.AUTOTUNE
+    )
 
 
 class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
@@ -455,7 +471,7 @@ def fit_with_cache(
                             budget_bytes=cache_budget, directory=cache_dir, preprocess=preprocess,
                             batch_size=max(batch_size, 256))
     steps = int(math.ceil(len(x) / batch_size))
-    raw = (lambda ids: store._raw_inputs(x, ids))
+    raw = x if preprocess is None else (lambda ids: store._raw_inputs(x, ids))
     history, phases = {}, []
     epoch, suffixes = 0, {}
     try:
@@ -473,7 +489,8 @@ def fit_with_cache(
                 if level not in suffixes:
                     suffixes[level] = cut_model(model, modules, level, len(modules))
                     _compile_like(suffixes[level], model)
-                target, features = suffixes[level], store.lookup
+                target = suffixes[level]
+                features = store.values if store.mode == "memory" else store.lookup
                 fit_callbacks = [_OnWholeModel(freezer, model)]
                 val = None
                 if validation_data is not None:
