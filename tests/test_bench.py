@@ -147,3 +147,34 @@ def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):
     assert cached_run["cache"]["phases"][0]["first_epoch"] == 0
     assert (tmp_path / "freezing_mnist1d.png").read_bytes()[:4] == b"\x89PNG"
     assert "| egeria |" in (tmp_path / "freezing.md").read_text()
+
+
+def test_spearman_and_cv():
+    from tf_hwopt.bench.search import coefficient_of_variation, spearman
+
+    assert spearman([1, 2, 3, 4], [1, 4, 9, 16]) == pytest.approx(1.0)  # monotone, not linear
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert spearman([1, 1, 2], [5, 5, 9]) == pytest.approx(1.0)  # ties
+    assert coefficient_of_variation([9.0, 11.0]) == pytest.approx(0.1)
+    with pytest.raises(ValueError):
+        spearman([1], [1])
+
+
+def test_search_benchmark_tiny_run_is_complete(tmp_path):
+    from tf_hwopt.bench.search import run_search_benchmark
+
+    out = tmp_path / "search.json"
+    results = run_search_benchmark(max_trials=3, epochs=1, samples=1000, batch_size=32, timing_steps=3,
+                                   widths=(16, 128), max_blocks=2, json_path=str(out), verbose=0)
+    saved = json.loads(out.read_text())
+    assert saved["budget_ms"] == pytest.approx(results["budget_ms"])
+    assert saved["grid_over_budget_fraction"] >= 0.5
+    assert set(saved["searches"]) == {"latency_aware", "random+filter", "bayesian+filter"}
+    for name, s in saved["searches"].items():
+        assert s["trials"] == 3 and s["wall_time_s"] > 0
+        if s["best_in_budget"] is not None:
+            assert s["best_in_budget"]["latency_ms"] <= saved["budget_ms"]
+    ours = saved["searches"]["latency_aware"]
+    assert ours["trained_trials"] + ours["over_budget_trials"] == ours["trials"]
+    assert len(saved["timing"]["grid"]) == 4 and -1.0 <= saved["timing"]["spearman_estimated_vs_measured"] <= 1.0
+    assert saved["timing"]["repeatability_cv"] >= 0.0

@@ -2,6 +2,7 @@
 
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
     tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
+    tf-hwopt bench search [--max-trials N] [--epochs N] [--json PATH]
     tf-hwopt export MODEL.keras OUT_DIR [--int8-tflite] [--representative-data X.npy] [--overwrite]
 """
 
@@ -48,6 +49,15 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
     freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")
+    search = kinds.add_parser(
+        "search",
+        help="LatencyAwareOracle vs KerasTuner RandomSearch/BayesianOptimization + post-hoc latency filter",
+    )
+    search.add_argument("--max-trials", type=_positive, default=12)
+    search.add_argument("--epochs", type=_positive, default=2)
+    search.add_argument("--samples", type=_positive, default=12_500, help="MNIST-1D examples (80%% train)")
+    search.add_argument("--seed", type=int, default=0)
+    search.add_argument("--json", default="bench_results/search.json")
     export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")
     export.add_argument("model", help="a .keras file")
     export.add_argument("out_dir", help="the SavedModel folder to create")
@@ -86,6 +96,11 @@ def main(argv=None) -> int:
             json_path=args.json,
             out_dir=args.out_dir,
         )
+    elif args.command == "bench" and args.bench == "search":
+        from tf_hwopt.bench.search import run_search_benchmark
+
+        run_search_benchmark(max_trials=args.max_trials, epochs=args.epochs, samples=args.samples, seed=args.seed,
+                             json_path=args.json)
     elif args.command == "export":
         return _export(parser, args)
     return 0

@@ -27,6 +27,7 @@ from tf_hwopt.hardware import HardwareProfile, load_profile
 
 import_tensorflow_quietly()
 
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 _HOW_INSTEAD = (
@@ -95,3 +96,59 @@ def strategy_for(
     if profile.strategy == "multi_worker":
         return tf.distribute.MultiWorkerMirroredStrategy()
     return tf.distribute.get_strategy()
+
+
+class CountingCrossDeviceOps(tf.distribute.CrossDeviceOps):
+    """Wraps a `CrossDeviceOps` and counts what it aggregates across replicas.
+
+    Keras's optimizer aggregates gradients through the strategy's
+    cross-device ops (`batch_reduce`); this wrapper records, for each traced
+    aggregation, how many tensors and how many bytes went through it. A
+    frozen module's gradients are not computed, so they are not aggregated:
+    the counts drop after a freeze.
+
+    Example:
+    >>> ops = CountingCrossDeviceOps()
+    >>> strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+    >>> # build, compile and fit under strategy.scope(); then
+    >>> ops.calls[-1]   # {"tensors": 22, "bytes": 1234567}
+    """
+
+    def __init__(self, inner: tf.distribute.CrossDeviceOps | None = None):
+        super().__init__()
+        self.inner = inner or tf.distribute.ReductionToOneDevice()
+        self.calls: list[dict] = []
+
+    @staticmethod
+    def _size(value) -> int:
+        tensors = value.values if hasattr(value, "values") else (value,)
+        t = tensors[0]
+        return int(np.prod(t.shape)) * t.dtype.size
+
+    def _record(self, values) -> None:
+        self.calls.append({"tensors": len(values), "bytes": sum(self._size(v) for v in values)})
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        self._record([per_replica_value])
+        return self.inner.reduce_implementation(reduce_op, per_replica_value, destinations, options)
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        self._record([value for value, _ in value_destination_pairs])
+        return self.inner.batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+    def broadcast_implementation(self, tensor, destinations):
+        return self.inner.broadcast_implementation(tensor, destinations)
+
+
+def gradient_aggregation(model) -> dict:
+    """Gradient tensors and bytes a data-parallel step aggregates for `model` now.
+
+    One gradient per trainable variable; frozen (non-trainable) variables
+    get none. This is the count from the variables; `CountingCrossDeviceOps`
+    measures it on the traced step.
+    """
+    variables = model.trainable_variables
+    return {
+        "tensors": len(variables),
+        "bytes": int(sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in variables)),
+    }
