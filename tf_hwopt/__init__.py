@@ -10,6 +10,7 @@ from tf_hwopt._quiet import import_tensorflow_quietly as _import_tf
 _import_tf()
 
 from tf_hwopt import egeria, search  # noqa: E402
+from tf_hwopt.backup import AtomicBackupAndRestore  # noqa: E402
 from tf_hwopt.egeria import EgeriaCallback, FreezeOutCallback, GradientNormFreezeCallback  # noqa: E402
 from tf_hwopt.export import ExportResult, export_best, export_saved_model  # noqa: E402
 from tf_hwopt.hardware import list_profiles, load_profile  # noqa: E402

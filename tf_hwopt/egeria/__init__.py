@@ -13,6 +13,7 @@ from tf_hwopt.egeria.freezing import FreezingEngine
 from tf_hwopt.egeria.freezing_callback import FreezingCallback
 from tf_hwopt.egeria.freezeout import FreezeOutCallback, freezeout_schedule
 from tf_hwopt.egeria.gradnorm import GradientNormFreezeCallback, GradientNormPolicy, gradient_norm_change_rate
+from tf_hwopt.egeria.multiworker import fit_multi_worker
 from tf_hwopt.egeria.modules import Module, describe_modules, partition_modules
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, module_plasticity, sp_loss
 from tf_hwopt.egeria.plot import plot

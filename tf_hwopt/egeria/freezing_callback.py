@@ -176,7 +176,7 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._wall_start = time.perf_counter()
         self._final = None
-        if self.model.optimizer is None:
+        if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
         first_fit = self.modules is None
         if first_fit:
