@@ -4,7 +4,10 @@ The parts, in the order data flows through them: `modules` (partition into
 front-to-back modules), `reference` (int8 reference model via TFMOT),
 `plasticity` (SP loss on a probe batch), `policy` (the freeze decision),
 `freezing` (the engine that freezes and rebuilds the train function) and
-`callback` (`EgeriaCallback`, which ties them into `model.fit`).
+`callback` (`EgeriaCallback`, which ties them into `model.fit`). `cache`
+(`fit_with_cache`) skips the frozen prefix's forward pass too;
+`multiworker` (`fit_multi_worker`) trains on several hosts. `freezeout` and
+`gradnorm` are the peer policies, on the same engine.
 """
 
 from tf_hwopt.egeria.cache import ActivationCache, fit_with_cache

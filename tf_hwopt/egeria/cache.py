@@ -51,7 +51,9 @@ import_tensorflow_quietly()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf_hwopt.egeria.callback import EgeriaCallback  # noqa: E402
 from tf_hwopt.egeria.freezing_callback import FreezingCallback  # noqa: E402
+from tf_hwopt.egeria.gradnorm import GradientNormFreezeCallback  # noqa: E402
 from tf_hwopt.egeria.modules import Module, partition_modules  # noqa: E402
 
 CACHE_MODES = ("memory", "disk", "auto", None)
@@ -275,16 +277,17 @@ def _dataset(num_examples, epochs, seed, batch_size, features, labels):
             return x, tf.gather(labels_t, batch_ids)
 
     else:
-        table = tf.convert_to_tensor(features)
+        # A variable, not a captured constant: a constant would be copied into
+        # every call of the map function (a full copy of the cache per batch).
+        table = tf.Variable(features, trainable=False, name="activation_cache")
 
         def load(i):
             batch_ids = ids_t[splits[i] : splits[i + 1]]
             x = tf.gather(table, batch_ids)
             return (tf.cast(x, tf.float32) if x.dtype.is_floating else x), tf.gather(labels_t, batch_ids)
 
-    return tf.data.Dataset.range(len(bounds)).map(load, num_parallel_calls=tf.data.AUTOTUNE).prefetch(
-        tf.data.AUTOTUNE
-    )
+    dataset = tf.data.Dataset.range(len(bounds)).map(load, num_parallel_calls=tf.data.AUTOTUNE)
+    return dataset.prefetch(tf.data.AUTOTUNE)
 
 
 class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
@@ -522,8 +525,9 @@ def fit_with_cache(
 
 
 def _give_data(freezer, x, y) -> None:
-    """Hands the freezer the training arrays it would otherwise read from `fit`'s arguments."""
-    if hasattr(freezer, "probe_data") and freezer.probe_data is None:
+    """Hands the freezer the training arrays it would otherwise read from `fit`'s
+    arguments (which, here, are the driver's pipeline)."""
+    if isinstance(freezer, EgeriaCallback) and freezer.probe_data is None:
         freezer.probe_data = x
-    if hasattr(freezer, "data") and getattr(freezer, "data", None) is None and "GradientNorm" in type(freezer).__name__:
+    if isinstance(freezer, GradientNormFreezeCallback) and freezer.data is None:
         freezer.data = (x, y)

@@ -39,6 +39,7 @@ import_tensorflow_quietly()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tf_hwopt.egeria.cache import _give_data  # noqa: E402
 from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
 from tf_hwopt.egeria.freezing_callback import FreezingCallback  # noqa: E402
 from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
@@ -144,8 +145,8 @@ def fit_multi_worker(
     )
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
-    if freezer is not None and hasattr(freezer, "probe_data") and freezer.probe_data is None:
-        freezer.probe_data = np.asarray(x)
+    if freezer is not None:
+        _give_data(freezer, np.asarray(x), np.asarray(y))
     modules = partition_modules(model, freezer.module_names if freezer is not None else None)
     if freezer is not None and chief:
         freezer.set_model(model)
