@@ -82,7 +82,9 @@ def test_chief_and_two_workers_run_every_trial_exactly_once(tmp_path):
 def test_mirrored_strategy_over_two_logical_cpus_runs_a_trial(tmp_path):
     devices = [d.name for d in tf.config.list_logical_devices("CPU")][:2]
     assert len(devices) == 2  # configured in conftest
-    strategy = tf.distribute.MirroredStrategy(devices)
+    # Not the default collective all-reduce: two collective MirroredStrategies in one
+    # test process can collide on collective instance keys.
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
     budget, build = _budget()
     oracle = LatencyAwareOracle("val_accuracy", max_trials=1, latency_budget_ms=1e6, seed=0)
     tuner = LatencyAwareTuner(build, oracle=oracle, profile="cpu", timing="measured", timing_steps=3,
