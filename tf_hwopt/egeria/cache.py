@@ -135,7 +135,6 @@ class ActivationCache:
         x: training inputs (NumPy array).
         mode: `"memory"` or `"disk"` (a NumPy memory map in `directory`).
         dtype: storage dtype; `"float16"`/`"bfloat16"` halve the size.
-        budget_bytes: the largest cache allowed.
         directory: where `"disk"` caches go (default: a temporary folder).
         preprocess: deterministic `fn(x_batch, ids) -> x_batch` applied
             before the prefix.
@@ -146,10 +145,10 @@ class ActivationCache:
         build_seconds: time spent building and extending.
     """
 
-    def __init__(self, model, modules, x, *, mode="memory", dtype="float32", budget_bytes=DEFAULT_CACHE_BUDGET,
-                 directory=None, preprocess=None, batch_size=1024):
+    def __init__(self, model, modules, x, *, mode="memory", dtype="float32", directory=None, preprocess=None,
+                 batch_size=1024):
         self.model, self.modules, self.x = model, list(modules), x
-        self.mode, self.dtype, self.budget_bytes = mode, dtype, budget_bytes
+        self.mode, self.dtype = mode, dtype
         self.directory, self.preprocess, self.batch_size = directory, preprocess, batch_size
         self.level = 0
         self.values = None
@@ -179,8 +178,9 @@ class ActivationCache:
         return np.dtype(self.dtype)
 
     def _allocate(self, shape):
+        """`(values, path)`: an array in memory (path None) or a memory-mapped file."""
         if self.mode == "memory":
-            return np.empty(shape, self._storage_dtype())
+            return np.empty(shape, self._storage_dtype()), None
         if self._tmpdir is None:
             self._tmpdir = tempfile.mkdtemp(prefix="tf_hwopt_cache_", dir=self.directory)
         path = os.path.join(self._tmpdir, f"level{self.level}_{time.monotonic_ns()}.npy")
@@ -190,8 +190,7 @@ class ActivationCache:
     def _run(self, sub_model, source, ids_to_inputs):
         n = self.num_examples
         shape = (n,) + tuple(sub_model.outputs[0].shape[1:])
-        allocated = self._allocate(shape)
-        values, path = allocated if isinstance(allocated, tuple) else (allocated, None)
+        values, path = self._allocate(shape)
         forward = tf.function(lambda inputs: sub_model(inputs, training=False))
         for start in range(0, n, self.batch_size):
             ids = np.arange(start, min(n, start + self.batch_size))
@@ -249,6 +248,11 @@ class ActivationCache:
 # ------------------------------------------------------------------ driver
 
 
+def _resident(array, name: str) -> tf.Variable:
+    """`array` held once by TensorFlow, read by reference from tf.data functions."""
+    return tf.Variable(array, trainable=False, name=name)
+
+
 def _dataset(num_examples, epochs, seed, batch_size, features, labels):
     """Batches `(features, labels)` of epochs `epochs`, in `epoch_order`, prefetched.
 
@@ -259,9 +263,11 @@ def _dataset(num_examples, epochs, seed, batch_size, features, labels):
     ids = np.concatenate([epoch_order(num_examples, e, seed) for e in epochs]).astype(np.int64)
     # Batch each epoch on its own, so that a short last batch stays in its epoch.
     bounds = [b for e in range(len(epochs)) for b in range(e * num_examples, (e + 1) * num_examples, batch_size)]
-    splits = tf.constant(bounds + [len(ids)], dtype=tf.int64)
-    ids_t = tf.constant(ids)
-    labels_t = tf.convert_to_tensor(labels)
+    # Variables, not captured constants: a constant captured by the map
+    # function is copied into every call (for the cache: a full copy per batch).
+    splits = _resident(np.asarray(bounds + [len(ids)], np.int64), "batch_bounds")
+    ids_t = _resident(ids, "example_ids")
+    labels_t = _resident(labels, "labels")
     if callable(features):
         sample = np.asarray(features(np.arange(1)))
         dtype = tf.float32 if sample.dtype.kind == "f" else tf.as_dtype(sample.dtype)
@@ -277,9 +283,7 @@ def _dataset(num_examples, epochs, seed, batch_size, features, labels):
             return x, tf.gather(labels_t, batch_ids)
 
     else:
-        # A variable, not a captured constant: a constant would be copied into
-        # every call of the map function (a full copy of the cache per batch).
-        table = tf.Variable(features, trainable=False, name="activation_cache")
+        table = _resident(features, "activation_cache")
 
         def load(i):
             batch_ids = ids_t[splits[i] : splits[i + 1]]
@@ -471,7 +475,7 @@ def fit_with_cache(
     _give_data(freezer, x, y)
 
     store = ActivationCache(model, modules, x, mode=mode or "memory", dtype=cache_dtype,
-                            budget_bytes=cache_budget, directory=cache_dir, preprocess=preprocess,
+                            directory=cache_dir, preprocess=preprocess,
                             batch_size=max(batch_size, 256))
     steps = int(math.ceil(len(x) / batch_size))
     raw = x if preprocess is None else (lambda ids: store._raw_inputs(x, ids))

@@ -166,7 +166,6 @@ def fit_multi_worker(
 
     history = {"loss": [], "frozen_at_step": [], "gradient_tensors_at_step": [], "chief": chief}
     started = time.perf_counter()
-    step_index = 0
     agreed = np.zeros(len(modules), bool)  # the last broadcast frozen set
     try:
         for epoch in range(epochs):
@@ -189,7 +188,6 @@ def fit_multi_worker(
                         _share_chief_state(modules[i], broadcast, chief, local_replicas)
                     agreed = decided
                 history["frozen_at_step"].append([i for i, f in enumerate(engine.frozen) if f])
-                step_index += 1
             history["loss"].append(total / steps_per_epoch)
             if freezer is not None and chief:
                 freezer.on_epoch_end(epoch, {"loss": history["loss"][-1]})
@@ -202,7 +200,7 @@ def fit_multi_worker(
         else:
             engine.restore()
     history["seconds"] = time.perf_counter() - started
-    history["steps"] = step_index
+    history["steps"] = len(history["frozen_at_step"])
     return history
 
 
