@@ -151,3 +151,20 @@ def test_bad_arguments_are_named(kwargs, match, mnist1d_small):
     with pytest.raises(ValueError, match="NumPy array"):
         fit_with_cache(compile_model(small_resnet()), tf.data.Dataset.from_tensor_slices((x, y)), y, epochs=1,
                        freezer=FreezeOutCallback(verbose=0))
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_the_pipeline_gives_each_example_its_own_activation_in_epoch_order(in_memory):
+    from tf_hwopt.egeria.cache import _dataset
+
+    n, batch = 50, 16
+    features = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)  # row i holds i
+    labels = np.arange(n, dtype=np.int32)
+    source = features if in_memory else (lambda ids: features[ids])
+    batches = list(_dataset(n, range(2, 4), 7, batch, source, labels).as_numpy_iterator())
+    assert [len(b[1]) for b in batches] == [16, 16, 16, 2] * 2  # the short batch stays in its epoch
+    for x, y in batches:
+        np.testing.assert_array_equal(x[:, 0], y)  # keyed by example id
+    ids = np.concatenate([y for _, y in batches])
+    np.testing.assert_array_equal(ids[:n], epoch_order(n, 2, 7))
+    np.testing.assert_array_equal(ids[n:], epoch_order(n, 3, 7))
