@@ -51,21 +51,24 @@ def test_suffix_on_cached_activations_matches_the_whole_model_with_the_prefix_fr
         np.testing.assert_allclose(gs.numpy(), gw.numpy(), rtol=1e-5, atol=1e-7)
 
 
-def _train(data, cache, epochs=4, **kwargs):
+def _train(data, cache, epochs=4, schedule=(0.2, 0.75), **kwargs):
     x, y, x_test, y_test = data
     model = compile_model(small_resnet())
-    freezer = FreezeOutCallback(freeze_start=0.2, freeze_level=0.75, verbose=0)
+    freezer = FreezeOutCallback(freeze_start=schedule[0], freeze_level=schedule[1], verbose=0)
     result = fit_with_cache(model, x[:1024], y[:1024], epochs=epochs, batch_size=64, freezer=freezer, cache=cache,
                             validation_data=(x_test[:256], y_test[:256]), verbose=0, **kwargs)
     return model, result
 
 
 def test_a_run_with_and_without_the_cache_ends_with_equal_weights(mnist1d_small):
-    base, plain = _train(mnist1d_small, None)
-    cached, result = _train(mnist1d_small, "memory")
+    # Frozen prefix at the epoch ends: 0, 1, 2, 2, 3, 4.
+    base, plain = _train(mnist1d_small, None, epochs=6, schedule=(0.0, 1.0))
+    cached, result = _train(mnist1d_small, "memory", epochs=6, schedule=(0.0, 1.0))
     assert [p["cache_action"] for p in plain["phases"]] == ["off"]
     actions = [p["cache_action"] for p in result["phases"]]
     assert "built" in actions and "extended" in actions, result["phases"]
+    # A cache is (re)built only while it can still be read for 2 epochs.
+    assert all(p["first_epoch"] <= 6 - 2 for p in result["phases"]), result["phases"]
     assert max(p["cached_modules"] for p in result["phases"]) >= 2
     for a, b in zip(base.weights, cached.weights):
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
@@ -94,7 +97,7 @@ def test_a_further_freeze_runs_only_the_new_module_and_a_reopen_drops_the_cache_
     assert cache.set_level(2) == "built"  # re-opened module 2: its output is no longer cached
     np.testing.assert_allclose(cache.lookup([5, 7]), cut_model(model, modules, 0, 2).predict(x[[5, 7]], verbose=0),
                                rtol=1e-5, atol=1e-6)
-    assert cache.set_level(0) == "dropped" and cache.values is None and cache.nbytes == 0
+    assert cache.set_level(0) == "dropped" and cache.level == 0 and cache.nbytes == 0
 
 
 def _augmenting_model():
@@ -155,12 +158,12 @@ def test_bad_arguments_are_named(kwargs, match, mnist1d_small):
 
 @pytest.mark.parametrize("in_memory", [True, False])
 def test_the_pipeline_gives_each_example_its_own_activation_in_epoch_order(in_memory):
-    from tf_hwopt.egeria.cache import _dataset
+    from tf_hwopt.egeria.cache import _array_gather, _dataset, _numpy_gather
 
     n, batch = 50, 16
     features = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)  # row i holds i
     labels = np.arange(n, dtype=np.int32)
-    source = features if in_memory else (lambda ids: features[ids])
+    source = _array_gather(features) if in_memory else _numpy_gather(lambda ids: features[ids])
     batches = list(_dataset(n, range(2, 4), 7, batch, source, labels).as_numpy_iterator())
     assert [len(b[1]) for b in batches] == [16, 16, 16, 2] * 2  # the short batch stays in its epoch
     for x, y in batches:

@@ -134,7 +134,7 @@ def caching_throughput(model: keras.Model, x, y, *, batch_size: int, steps: int,
             cache.set_level(k)
             suffix = cut_model(model, modules, k, len(modules))
             _compile_like(suffix, model)
-            cached = _dataset(len(x), range(100), 0, batch_size, cache.values, y).repeat()
+            cached = _dataset(len(x), range(100), 0, batch_size, cache.gather, y).repeat()
             batch = (cache.lookup(np.arange(batch_size)), y[:batch_size])
             alone = tf.data.Dataset.from_tensors(batch).repeat()
             # Alternate the two, three times each, and keep the medians: a

@@ -59,6 +59,8 @@ from tf_hwopt.egeria.modules import Module, partition_modules  # noqa: E402
 CACHE_MODES = ("memory", "disk", "auto", None)
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_CACHE_BUDGET = 2 * 2**30
+# A cache extension pays only if at least this many epochs remain to read it.
+_MIN_CACHED_EPOCHS = 2
 # Regularisers that are off at inference: allowed in a cached prefix (they run as at inference).
 _INFERENCE_IDENTITY = ("Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
                        "GaussianDropout", "AlphaDropout")
@@ -129,6 +131,13 @@ def cut_model(model: keras.Model, modules: Sequence[Module], start: int, stop: i
 class ActivationCache:
     """The frozen prefix's output for every training example, indexed by example id.
 
+    In memory, the cache is one `tf.Variable` of `num_examples` rows, as wide
+    as the largest activation it may hold, allocated at the first build and
+    reused by every level: building and extending run inside TensorFlow
+    (rows gathered, the new modules run, rows scattered back in place), and
+    the training pipeline gathers its batches from the same variable. On
+    disk, each level is a NumPy memory-mapped file.
+
     Args:
         model: the whole model.
         modules: its modules, front to back.
@@ -143,6 +152,12 @@ class ActivationCache:
     Attributes:
         level: number of front modules whose output is cached (0: none).
         build_seconds: time spent building and extending.
+
+    Example:
+    >>> cache = ActivationCache(model, partition_modules(model), x)
+    >>> cache.set_level(2)  # "built": outputs of modules 0 and 1
+    >>> cache.set_level(3)  # "extended": only module 2 ran, on the cached rows
+    >>> cache.lookup([0, 5]).shape
     """
 
     def __init__(self, model, modules, x, *, mode="memory", dtype="float32", directory=None, preprocess=None,
@@ -151,55 +166,31 @@ class ActivationCache:
         self.mode, self.dtype = mode, dtype
         self.directory, self.preprocess, self.batch_size = directory, preprocess, batch_size
         self.level = 0
-        self.values = None
         self.build_seconds = 0.0
         self.builds = 0
         self.extensions = 0
+        self._table = None  # memory: tf.Variable [num_examples, width]
+        self._file = None  # disk: np.memmap of the current level
         self._tmpdir = None
-        self._path = None
 
     @property
     def num_examples(self) -> int:
         return len(self.x)
 
+    def _shape(self, level: int) -> tuple:
+        return tuple(self.modules[level - 1].output_layer.output.shape[1:])
+
     def bytes_for(self, level: int) -> int:
-        shape = self.modules[level - 1].output_layer.output.shape[1:]
-        return cache_bytes(self.num_examples, shape, self.dtype)
+        return cache_bytes(self.num_examples, self._shape(level), self.dtype)
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_for(self.level) if self.level else 0
-
-    def _storage_dtype(self):
-        if self.dtype == "bfloat16":
-            import ml_dtypes
-
-            return ml_dtypes.bfloat16
-        return np.dtype(self.dtype)
-
-    def _allocate(self, shape):
-        """`(values, path)`: an array in memory (path None) or a memory-mapped file."""
+        """Bytes held now (in memory: the whole table, sized for the widest level)."""
+        if not self.level:
+            return 0
         if self.mode == "memory":
-            return np.empty(shape, self._storage_dtype()), None
-        if self._tmpdir is None:
-            self._tmpdir = tempfile.mkdtemp(prefix="tf_hwopt_cache_", dir=self.directory)
-        path = os.path.join(self._tmpdir, f"level{self.level}_{time.monotonic_ns()}.npy")
-        values = np.lib.format.open_memmap(path, mode="w+", dtype=self._storage_dtype(), shape=shape)
-        return values, path
-
-    def _run(self, sub_model, source, ids_to_inputs):
-        n = self.num_examples
-        shape = (n,) + tuple(sub_model.outputs[0].shape[1:])
-        values, path = self._allocate(shape)
-        forward = tf.function(lambda inputs: sub_model(inputs, training=False))
-        for start in range(0, n, self.batch_size):
-            ids = np.arange(start, min(n, start + self.batch_size))
-            values[start : start + len(ids)] = np.asarray(forward(ids_to_inputs(source, ids))).astype(values.dtype)
-        return values, path
-
-    def _raw_inputs(self, x, ids):
-        batch = x[ids]
-        return self.preprocess(batch, ids) if self.preprocess is not None else batch
+            return int(self._table.shape[0] * self._table.shape[1] * self._table.dtype.size)
+        return self.bytes_for(self.level)
 
     def set_level(self, level: int) -> str:
         """Makes the cache hold the output of modules `0..level-1`.
@@ -212,97 +203,191 @@ class ActivationCache:
         if level == self.level:
             return "kept"
         start = time.perf_counter()
-        old_path = self._path
         if level == 0:
-            action, self.values, self._path = "dropped", None, None
-        elif level > self.level and self.values is not None:
-            sub = cut_model(self.model, self.modules, self.level, level)
-            source = self.values
-            self.values, self._path = self._run(sub, source, lambda v, ids: v[ids].astype(np.float32))
-            action = "extended"
-            self.extensions += 1
+            action = "dropped"
+            self._release()
         else:
-            sub = cut_model(self.model, self.modules, 0, level)
-            self.values, self._path = self._run(sub, self.x, self._raw_inputs)
-            action = "built"
-            self.builds += 1
+            extend = level > self.level > 0
+            begin = self.level if extend else 0
+            sub = cut_model(self.model, self.modules, begin, level)
+            fill = self._fill_memory if self.mode == "memory" else self._fill_disk
+            fill(sub, begin, level)
+            action = "extended" if extend else "built"
+            self.extensions += extend
+            self.builds += not extend
         self.level = level
-        if old_path and old_path != self._path and os.path.exists(old_path):
-            os.remove(old_path)
         self.build_seconds += time.perf_counter() - start
         return action
 
+    def _batches(self):
+        n = self.num_examples
+        for start in range(0, n, self.batch_size):
+            yield np.arange(start, min(n, start + self.batch_size))
+
+    def _raw_inputs(self, x, ids):
+        batch = x[ids]
+        return self.preprocess(batch, ids) if self.preprocess is not None else batch
+
+    def _fill_memory(self, sub, begin, level):
+        if self._table is None:
+            width = max(int(np.prod(self._shape(i))) for i in range(1, len(self.modules)))
+            self._table = tf.Variable(tf.zeros([self.num_examples, width], self.dtype), trainable=False,
+                                      name="activation_cache")
+        table, pad = self._table, self._table.shape[1] - int(np.prod(self._shape(level)))
+
+        def write(ids, inputs):
+            rows = tf.reshape(tf.cast(sub(inputs, training=False), table.dtype), [tf.shape(ids)[0], -1])
+            table.scatter_update(tf.IndexedSlices(tf.pad(rows, [[0, 0], [0, pad]]), ids))
+
+        if begin:  # extend: each batch's rows are read, then overwritten in place
+            old = self._shape(begin)
+            step = tf.function(lambda ids: write(ids, _unpack(tf.gather(table, ids), old)), reduce_retracing=True)
+            for ids in self._batches():
+                step(tf.constant(ids))
+        else:
+            step = tf.function(write, reduce_retracing=True)
+            for ids in self._batches():
+                step(tf.constant(ids), self._raw_inputs(self.x, ids))
+
+    def _storage_dtype(self):
+        if self.dtype == "bfloat16":
+            import ml_dtypes
+
+            return ml_dtypes.bfloat16
+        return np.dtype(self.dtype)
+
+    def _fill_disk(self, sub, begin, level):
+        if self._tmpdir is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="tf_hwopt_cache_", dir=self.directory)
+        path = os.path.join(self._tmpdir, f"level{level}_{time.monotonic_ns()}.npy")
+        values = np.lib.format.open_memmap(path, mode="w+", dtype=self._storage_dtype(),
+                                           shape=(self.num_examples,) + self._shape(level))
+        forward = tf.function(lambda inputs: sub(inputs, training=False), reduce_retracing=True)
+        for ids in self._batches():
+            batch = self._file[ids[0] : ids[-1] + 1].astype(np.float32) if begin else self._raw_inputs(self.x, ids)
+            values[ids[0] : ids[-1] + 1] = np.asarray(forward(batch)).astype(values.dtype)
+        values.flush()
+        self._release()
+        self._file = values
+
+    def _release(self):
+        self._table = None
+        if self._file is not None:
+            path = self._file.filename
+            self._file = None
+            if path and os.path.exists(path):
+                os.remove(path)
+
     def lookup(self, ids) -> np.ndarray:
         """Cached activations of examples `ids`, as float32."""
-        return np.asarray(self.values[np.asarray(ids)], dtype=np.float32)
+        return np.asarray(self.gather(tf.constant(np.asarray(ids, np.int64))))
+
+    def gather(self, ids: tf.Tensor) -> tf.Tensor:
+        """Cached activations of examples `ids` (a tensor), as float32; usable inside `tf.data`."""
+        if self.level == 0:
+            raise ValueError("The cache is empty: call `set_level(k)` with k > 0 first.")
+        shape = self._shape(self.level)
+        if self.mode == "memory":
+            return _unpack(tf.gather(self._table, ids), shape)
+        return _numpy_gather(lambda batch_ids: self._file[batch_ids], shape)(ids)
 
     def close(self) -> None:
         """Frees the memory and deletes the files of the cache."""
-        self.values = None
+        self._release()
         self.level = 0
         if self._tmpdir and os.path.exists(self._tmpdir):
             shutil.rmtree(self._tmpdir, ignore_errors=True)
-        self._tmpdir = self._path = None
+        self._tmpdir = None
 
 
 # ------------------------------------------------------------------ driver
 
 
-def _resident(array, name: str) -> tf.Variable:
-    """`array` held once by TensorFlow, read by reference from tf.data functions."""
-    return tf.Variable(array, trainable=False, name=name)
+def _unpack(rows: tf.Tensor, shape: Sequence[int]) -> tf.Tensor:
+    """Table rows (flattened, padded to the table's width) back to float32 activations of `shape`."""
+    width = int(np.prod(shape))
+    return tf.reshape(tf.cast(rows[:, :width], tf.float32), [-1, *shape])
 
 
-def _dataset(num_examples, epochs, seed, batch_size, features, labels):
-    """Batches `(features, labels)` of epochs `epochs`, in `epoch_order`, prefetched.
+def _array_gather(array: np.ndarray) -> Callable:
+    """`ids -> array[ids]` inside TensorFlow's graph, the array held once in a variable.
 
-    `features` is an array held in memory (gathered inside TensorFlow's graph,
-    no Python per batch) or a function `ids -> array` (a file-backed cache,
-    or per-example preprocessing), called through `tf.numpy_function`.
+    A variable, not a captured constant: a constant captured by a tf.data
+    function is copied into every call.
+    """
+    table = tf.Variable(array, trainable=False, name="resident")
+
+    def gather(ids):
+        x = tf.gather(table, ids)
+        return tf.cast(x, tf.float32) if x.dtype.is_floating else x
+
+    return gather
+
+
+def _numpy_gather(fn: Callable, shape: Sequence[int] | None = None) -> Callable:
+    """`ids -> fn(ids)` for a NumPy function (a file-backed cache, per-example preprocessing)."""
+    if shape is None:
+        sample = np.asarray(fn(np.arange(1)))
+        shape = sample.shape[1:]
+        dtype = tf.float32 if sample.dtype.kind == "f" else tf.as_dtype(sample.dtype)
+    else:
+        dtype = tf.float32
+
+    def call(batch_ids):
+        return np.asarray(fn(batch_ids)).astype(dtype.as_numpy_dtype)
+
+    def gather(ids):
+        x = tf.numpy_function(call, [ids], dtype, stateful=False)
+        x.set_shape((None, *shape))
+        return x
+
+    return gather
+
+
+def _dataset(num_examples, epochs, seed, batch_size, gather, labels):
+    """Batches `(gather(ids), labels[ids])` of epochs `epochs`, in `epoch_order`, prefetched.
+
+    `gather` maps a tensor of example ids to their features inside the
+    pipeline (`_array_gather`, `_numpy_gather`, `ActivationCache.gather`).
     """
     ids = np.concatenate([epoch_order(num_examples, e, seed) for e in epochs]).astype(np.int64)
     # Batch each epoch on its own, so that a short last batch stays in its epoch.
     bounds = [b for e in range(len(epochs)) for b in range(e * num_examples, (e + 1) * num_examples, batch_size)]
-    # Variables, not captured constants: a constant captured by the map
-    # function is copied into every call (for the cache: a full copy per batch).
-    splits = _resident(np.asarray(bounds + [len(ids)], np.int64), "batch_bounds")
-    ids_t = _resident(ids, "example_ids")
-    labels_t = _resident(labels, "labels")
-    if callable(features):
-        sample = np.asarray(features(np.arange(1)))
-        dtype = tf.float32 if sample.dtype.kind == "f" else tf.as_dtype(sample.dtype)
-        shape = (None,) + sample.shape[1:]
+    splits = tf.constant(np.asarray(bounds + [len(ids)], np.int64))
+    ids_t = tf.Variable(ids, trainable=False, name="example_ids")
+    labels_of = _array_gather(labels)
 
-        def gather(batch_ids):
-            return np.asarray(features(batch_ids)).astype(dtype.as_numpy_dtype)
+    def load(i):
+        batch_ids = ids_t[splits[i] : splits[i + 1]]
+        return gather(batch_ids), labels_of(batch_ids)
 
-        def load(i):
-            batch_ids = ids_t[splits[i] : splits[i + 1]]
-            x = tf.numpy_function(gather, [batch_ids], dtype, stateful=False)
-            x.set_shape(shape)
-            return x, tf.gather(labels_t, batch_ids)
-
-    else:
-        table = _resident(features, "activation_cache")
-
-        def load(i):
-            batch_ids = ids_t[splits[i] : splits[i + 1]]
-            x = tf.gather(table, batch_ids)
-            return (tf.cast(x, tf.float32) if x.dtype.is_floating else x), tf.gather(labels_t, batch_ids)
-
-    dataset = tf.data.Dataset.range(len(bounds)).map(load, num_parallel_calls=tf.data.AUTOTUNE)
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    # Fixed parallelism, autotuning off: a batch is one gather, and a phase's
+    # fit stops early, which tears the iterator down (measured: up to 20 s
+    # waiting for the autotuned pipeline's threads).
+    dataset = tf.data.Dataset.range(len(bounds)).map(load, num_parallel_calls=2).prefetch(2)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return dataset.with_options(options)
 
 
 class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
-    """Stops this phase's fit at the end of an epoch in which the frozen prefix changed."""
+    """Stops this phase's fit at the end of an epoch in which the frozen prefix changed.
 
-    def __init__(self, freezer, level):
+    A longer prefix ends the phase only while `_MIN_CACHED_EPOCHS` epochs
+    remain: extending the cache costs one forward pass of the newly frozen
+    modules over the data, which one cached epoch saves back, so with fewer
+    epochs left it cannot pay (the module trains frozen, uncached, to the
+    end). A shorter prefix (a re-opened module) always ends it: the suffix
+    being trained does not contain that module.
+    """
+
+    def __init__(self, freezer, level, epochs):
         super().__init__()
-        self.freezer, self.level = freezer, level
+        self.freezer, self.level, self.epochs = freezer, level, epochs
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.freezer.frozen_prefix != self.level:
+        prefix = self.freezer.frozen_prefix
+        if prefix < self.level or (prefix > self.level and self.epochs - (epoch + 1) >= _MIN_CACHED_EPOCHS):
             self.model.stop_training = True
 
 
@@ -478,7 +563,11 @@ def fit_with_cache(
                             directory=cache_dir, preprocess=preprocess,
                             batch_size=max(batch_size, 256))
     steps = int(math.ceil(len(x) / batch_size))
-    raw = x if preprocess is None else (lambda ids: store._raw_inputs(x, ids))
+    raw = _array_gather(x) if preprocess is None else _numpy_gather(lambda ids: store._raw_inputs(x, ids))
+    # Validation inputs get their own cache, extended alongside the training one.
+    val_store = None if validation_data is None else ActivationCache(
+        model, modules, np.asarray(validation_data[0]), mode=store.mode, dtype=cache_dtype, directory=cache_dir,
+        batch_size=store.batch_size)
     history, phases = {}, []
     epoch, suffixes = 0, {}
     try:
@@ -496,20 +585,20 @@ def fit_with_cache(
                 if level not in suffixes:
                     suffixes[level] = cut_model(model, modules, level, len(modules))
                     _compile_like(suffixes[level], model)
-                target = suffixes[level]
-                features = store.values if store.mode == "memory" else store.lookup
+                target, features = suffixes[level], store.gather
                 fit_callbacks = [_OnWholeModel(freezer, model)]
                 val = None
-                if validation_data is not None:
-                    prefix = cut_model(model, modules, 0, level)
-                    val = (prefix.predict(validation_data[0], batch_size=1024, verbose=0), validation_data[1])
+                if val_store is not None:
+                    val_store.set_level(level)
+                    val = _dataset(val_store.num_examples, [0], None, store.batch_size, val_store.gather,
+                                   np.asarray(validation_data[1]))
             phases.append({
                 "first_epoch": epoch, "frozen_prefix": level, "cached_modules": level_cached,
                 "cache_action": action if mode is not None else "off",
                 "cache_bytes": store.nbytes if level_cached else 0,
             })
             data = _dataset(len(x), range(epoch, epochs), seed, batch_size, features, y)
-            stopper = _EndPhaseOnPrefixChange(freezer, level) if mode is not None else None
+            stopper = _EndPhaseOnPrefixChange(freezer, level, epochs) if mode is not None else None
             result = target.fit(
                 data, epochs=epochs, initial_epoch=epoch, steps_per_epoch=steps, validation_data=val,
                 callbacks=fit_callbacks + list(callbacks) + ([stopper] if stopper else []), verbose=verbose,
@@ -525,6 +614,8 @@ def fit_with_cache(
                    "builds": store.builds, "extensions": store.extensions,
                    "largest_bytes_estimate": largest}
         store.close()
+        if val_store is not None:
+            val_store.close()
     return {"history": history, "phases": phases, "cache": summary}
 
 
