@@ -176,5 +176,6 @@ def test_search_benchmark_tiny_run_is_complete(tmp_path):
             assert s["best_in_budget"]["latency_ms"] <= saved["budget_ms"]
     ours = saved["searches"]["latency_aware"]
     assert ours["trained_trials"] + ours["over_budget_trials"] == ours["trials"]
+    assert 1 <= ours["timed_candidates"] <= ours["trials"] and 0 < ours["timing_s"] < ours["wall_time_s"]
     assert len(saved["timing"]["grid"]) == 4 and -1.0 <= saved["timing"]["spearman_estimated_vs_measured"] <= 1.0
     assert saved["timing"]["repeatability_cv"] >= 0.0

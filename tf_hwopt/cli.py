@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         "search",
         help="LatencyAwareOracle vs KerasTuner RandomSearch/BayesianOptimization + post-hoc latency filter",
     )
-    search.add_argument("--max-trials", type=_positive, default=12)
+    search.add_argument("--max-trials", type=_positive, default=10)
     search.add_argument("--epochs", type=_positive, default=2)
-    search.add_argument("--samples", type=_positive, default=12_500, help="MNIST-1D examples (80%% train)")
+    search.add_argument("--samples", type=_positive, default=25_000, help="MNIST-1D examples (80%% train)")
     search.add_argument("--seed", type=int, default=0)
     search.add_argument("--json", default="bench_results/search.json")
     export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import keras_tuner
 import numpy as np
 import tensorflow as tf
@@ -74,6 +76,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             )
         self.timing_jit_compile = timing_jit_compile
         self.timed_candidates = 0
+        self.timing_seconds = 0.0  # wall time spent timing candidates (compilation included)
         # In KerasTuner's distributed mode a worker's `self.oracle` becomes a
         # gRPC client of the chief's; this local copy keeps the budget.
         self.latency_oracle = oracle
@@ -96,6 +99,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         known = self.latency_oracle.known_latency(hp.values)
         if known is not None:
             return known["latency_ms"], known["kind"]
+        started = time.perf_counter()
         model = self._try_build(hp)
         batch = self._timing_batch(hp, args, kwargs)
         if self.timing == "measured":
@@ -106,6 +110,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         else:
             result = estimate_step(model, batch, self.profile, mode=self.timing_mode)
         self.timed_candidates += 1
+        self.timing_seconds += time.perf_counter() - started
         self.latency_oracle.record_latency(hp.values, result.median_ms, result.kind)
         return result.median_ms, result.kind
 
