@@ -72,6 +72,8 @@ def test_frozen_weights_stay_bit_identical(mnist1d_small, jit_compile, steps_per
     assert egeria.summary()["frozen_modules"] == 2  # the cap: 0.5 of 4 modules
     assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
     assert egeria.summary()["train_function_rebuilds"] >= 2
+    # Building and refreshing the reference is timed even off the training thread.
+    assert egeria.summary()["reference_seconds"] > 0 and egeria.summary()["reference_refreshes"] >= 1
     assert model.jit_compile == jit_compile  # XLA really was on (or off)
 
 

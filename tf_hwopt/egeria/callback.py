@@ -356,7 +356,10 @@ class EgeriaCallback(FreezingCallback):
 
         `FreezingCallback.summary()` (modules, events, FLOPs skipped,
         overhead) plus `reference_path` and `reference_reason`,
-        `reference_refreshes`, `eval_every`, `evaluations` and
+        `reference_refreshes`, `reference_seconds` (wall time of building
+        and refreshing the reference, also when it ran off the training
+        thread: on a small host that thread competes with training and is
+        not in `overhead_fraction`), `eval_every`, `evaluations` and
         `skipped_evaluations`.
         """
         report = super().summary()
@@ -365,6 +368,7 @@ class EgeriaCallback(FreezingCallback):
                 "reference_path": self.reference.path,
                 "reference_reason": self.reference.reason,
                 "reference_refreshes": self.reference.refreshes,
+                "reference_seconds": self.reference.work_seconds,
                 "eval_every": getattr(self, "_eval_every", self.eval_every),
                 "evaluations": self._evaluations,
                 "skipped_evaluations": self.skipped_evaluations,

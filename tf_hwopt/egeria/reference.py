@@ -31,6 +31,7 @@ from __future__ import annotations
 import concurrent.futures
 import inspect
 import logging
+import time
 from typing import Sequence
 
 import numpy as np
@@ -457,6 +458,7 @@ class Reference:
 
     def __init__(self, model, output_layers: Sequence, probe_x, *, asynchronous: bool = True):
         self._probe_x = probe_x
+        self.work_seconds = 0.0  # wall time of the builds and refreshes, wherever they ran
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="egeria-reference")
             if asynchronous
@@ -471,11 +473,18 @@ class Reference:
         self.refreshes = 0
 
     def _run(self, fn, *args) -> concurrent.futures.Future:
+        def timed(*a):
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                self.work_seconds += time.perf_counter() - start
+
         if self._executor is not None:
-            return self._executor.submit(fn, *args)
+            return self._executor.submit(timed, *args)
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            future.set_result(fn(*args))
+            future.set_result(timed(*args))
         except Exception as err:  # noqa: BLE001 - re-raised by .result()
             future.set_exception(err)
         return future

@@ -122,15 +122,37 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             return not all("CPU" in d.upper() for d in strategy.extended.worker_devices)
         return True
 
-    def run_trial(self, trial, *args, **kwargs):
-        latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
-        oracle = self.latency_oracle
+    def _report_latency(self, trial, latency: float, kind: str) -> None:
         # Reported before training: the (chief) oracle learns it even when
         # the trial then fails or is never trained.
         self.oracle.update_trial(
             trial.trial_id, {"latency_ms": latency, "latency_estimated": 1.0 if kind == "estimated" else 0.0}
         )
-        if oracle.constraint == "hard" and latency > oracle.latency_budget_ms:
+
+    def _over_budget(self, latency: float) -> bool:
+        oracle = self.latency_oracle
+        return oracle.constraint == "hard" and latency > oracle.latency_budget_ms
+
+    def _try_run_and_update_trial(self, trial, *args, **kwargs):
+        # An over-budget candidate is an expected outcome, not an error: its
+        # trial ends FAILED with the reason, without the traceback KerasTuner
+        # prints for failing trials. Anything else goes through KerasTuner.
+        try:
+            latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+        except Exception:  # noqa: BLE001 - raised again, and reported, by run_trial below
+            latency = None
+        if latency is not None and self._over_budget(latency):
+            self._report_latency(trial, latency, kind)
+            trial.status = keras_tuner.engine.trial.TrialStatus.FAILED
+            trial.message = over_budget_message(latency, kind, self.latency_oracle.latency_budget_ms)
+            return
+        super()._try_run_and_update_trial(trial, *args, **kwargs)
+
+    def run_trial(self, trial, *args, **kwargs):
+        latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+        oracle = self.latency_oracle
+        self._report_latency(trial, latency, kind)
+        if self._over_budget(latency):
             raise keras_tuner.errors.FailedTrialError(over_budget_message(latency, kind, oracle.latency_budget_ms))
         histories = super().run_trial(trial, *args, **kwargs)
         metrics = tuner_utils.convert_to_metrics_dict(histories, oracle.objective)
