@@ -72,9 +72,13 @@ def test_search_never_trains_over_budget_and_resumes_without_retiming(mnist1d_sm
     tuner = LatencyAwareTuner(build, oracle=oracle, profile="cpu", timing="estimated",
                               directory=str(tmp_path), project_name="p", overwrite=True)
     tuner.search(x, y, epochs=1, batch_size=32, validation_data=(x_val[:64], y_val[:64]), verbose=0)
+    searched = capsys.readouterr()
     rows = tuner.trial_latencies()
     assert rows and all(r["latency_ms"] is not None for r in rows)
     over = [r for r in rows if r["latency_ms"] > budget]
+    # An over-budget candidate is an outcome, not an error: no traceback printed.
+    assert over and "Traceback" not in searched.out + searched.err
+    assert all(oracle.trials[r["trial_id"]].message.startswith("tf_hwopt:over-budget") for r in over)
     within = [r for r in rows if r["latency_ms"] <= budget]
     assert within and all(r["trained"] for r in within)
     for r in over:  # never trained: no objective recorded
