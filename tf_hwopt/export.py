@@ -70,32 +70,79 @@ def _folder_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def _input_specs(model: keras.Model) -> list:
-    if not getattr(model, "inputs", None):
-        raise ValueError(
-            "`model` has no known inputs: build it first (call it on a batch, or give "
-            "the Sequential model an `Input`), so that its serving signature can be traced."
-        )
-    names = [t.name.split(":")[0] for t in model.inputs]
-    if len(set(names)) != len(names):
-        names = [f"input_{i}" for i in range(len(names))]
-    return [tf.TensorSpec((None,) + tuple(t.shape[1:]), t.dtype, name=n) for t, n in zip(model.inputs, names)]
+def _input_signature(model: keras.Model, sample) -> tuple:
+    """The serving inputs: `(structure, specs)`.
+
+    `structure` is the model's input structure (a name, a list of names or a
+    dict of names, as `model.input` has it) and `specs` the `tf.TensorSpec`s
+    in `keras.tree.flatten(structure)` order. A subclassed model without
+    symbolic inputs takes both from `sample` (it must have been called).
+    """
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        structure = None
+    if structure is not None:
+        tensors = keras.tree.flatten(structure)
+        names = [t.name.split(":")[0] for t in tensors]
+        if len(set(names)) != len(names):
+            names = [f"input_{i}" for i in range(len(names))]
+        shapes = [tuple(t.shape[1:]) for t in tensors]
+        dtypes = [t.dtype for t in tensors]
+        packed = keras.tree.pack_sequence_as(structure, names)
+    else:
+        if sample is None:
+            raise ValueError(
+                f"`sample` is needed to export model {model.name!r}: it has no symbolic inputs "
+                "(a subclassed model), so its serving signature is taken from a batch of real inputs."
+            )
+        if not model.built:
+            raise ValueError(
+                f"`model` {model.name!r} is not built: train it or call it on a batch before exporting."
+            )
+        if isinstance(sample, dict):
+            packed = {k: k for k in sample}
+        elif isinstance(sample, (list, tuple)):
+            packed = [f"input_{i}" for i in range(len(sample))]
+        else:
+            packed = "input"
+        arrays = keras.tree.flatten(sample)
+        names = keras.tree.flatten(packed)
+        shapes = [tuple(np.shape(a)[1:]) for a in arrays]
+        dtypes = [keras.backend.standardize_dtype(getattr(a, "dtype", "float32")) for a in arrays]
+    specs = [tf.TensorSpec((None,) + shape, dtype, name=n) for shape, dtype, n in zip(shapes, dtypes, names)]
+    return packed, specs
 
 
-def _output_names(model: keras.Model) -> list:
+def _output_names(model: keras.Model, structure, batch) -> list:
+    try:
+        count = len(keras.tree.flatten(model.outputs))
+    except (AttributeError, ValueError):  # subclassed: count what it returns
+        count = len(keras.tree.flatten(model(keras.tree.pack_sequence_as(structure, batch), training=False)))
     names = list(getattr(model, "output_names", None) or [])
-    count = len(keras.tree.flatten(model.outputs))
     if len(names) != count or len(set(names)) != count:
         names = [f"output_{i}" for i in range(count)]
     return names
 
 
-def _sample_batch(specs, sample):
+def _sample_batch(structure, specs, sample):
+    """Up to 8 examples of `sample` (in any form `model.predict` takes), flattened like `specs`.
+
+    A dict is matched by input name; integer ids fed to a float input are
+    cast to its dtype. Without `sample`, a random batch of the input shapes.
+    """
     if sample is not None:
-        arrays = [np.asarray(a) for a in (sample if isinstance(sample, (list, tuple)) else [sample])]
+        if isinstance(sample, dict):
+            names = keras.tree.flatten(structure)
+            missing = [n for n in names if n not in sample]
+            if missing:
+                raise ValueError(f"`sample` has no input(s) {missing}; the model's inputs are {names}.")
+            arrays = [sample[n] for n in names]
+        else:
+            arrays = keras.tree.flatten(sample)
         if len(arrays) != len(specs):
             raise ValueError(f"`sample` must give {len(specs)} input array(s); got {len(arrays)}.")
-        return [a[:8] for a in arrays]
+        return [np.asarray(a)[:8].astype(spec.dtype.as_numpy_dtype) for a, spec in zip(arrays, specs)]
     rng = np.random.default_rng(0)
     batch = []
     for spec in specs:
@@ -165,17 +212,17 @@ def export_saved_model(
         raise ValueError("`int8_tflite` needs `representative_data` (inputs that calibrate the int8 ranges).")
     if eval_data is not None and (not isinstance(eval_data, (tuple, list)) or len(eval_data) != 2):
         raise ValueError("`eval_data` must be `(x, y)` with integer class labels.")
-    specs = _input_specs(model)
+    structure, specs = _input_signature(model, sample)
     input_names = [s.name for s in specs]
-    output_names = _output_names(model)
-    batch = _sample_batch(specs, sample)
+    batch = _sample_batch(structure, specs, sample)
+    output_names = _output_names(model, structure, batch)
 
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     staging = os.path.join(parent, f".{os.path.basename(path)}.partial-{uuid.uuid4().hex[:8]}")
     try:
-        _write(model, staging, specs, output_names)
-        diff = _verify(model, staging, batch, input_names, output_names, atol)
+        _write(model, staging, structure, specs, output_names)
+        diff = _verify(model, staging, structure, batch, input_names, output_names, atol)
         if metadata is not None:
             write_json_atomic(metadata, os.path.join(staging, METADATA_FILE), default=str)
         tflite = None
@@ -195,22 +242,22 @@ def export_saved_model(
     )
 
 
-def _write(model, folder, specs, output_names):
+def _write(model, folder, structure, specs, output_names):
     archive = keras.export.ExportArchive()
     archive.track(model)
 
     def serve(*inputs):
-        outputs = model(inputs[0] if len(inputs) == 1 else list(inputs), training=False)
+        outputs = model(keras.tree.pack_sequence_as(structure, list(inputs)), training=False)
         return dict(zip(output_names, keras.tree.flatten(outputs)))
 
     archive.add_endpoint(name="serve", fn=serve, input_signature=specs)
     archive.write_out(folder, verbose=False)
 
 
-def _verify(model, folder, batch, input_names, output_names, atol) -> float:
+def _verify(model, folder, structure, batch, input_names, output_names, atol) -> float:
     served = tf.saved_model.load(folder).signatures["serving_default"]
     got = served(**{n: tf.constant(a) for n, a in zip(input_names, batch)})
-    want = keras.tree.flatten(model(batch[0] if len(batch) == 1 else batch, training=False))
+    want = keras.tree.flatten(model(keras.tree.pack_sequence_as(structure, batch), training=False))
     diff = 0.0
     for name, expected in zip(output_names, want):
         diff = max(diff, float(np.max(np.abs(np.asarray(got[name]) - np.asarray(expected)))))
@@ -246,7 +293,7 @@ def _int8_tflite(model, saved_model_dir, out_path, representative_data, eval_dat
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     arrays = _as_list(representative_data)
     # The converter feeds inputs by signature order, which is sorted by name.
-    specs = _input_specs(model)
+    _, specs = _input_signature(model, representative_data)
     order = sorted(range(len(specs)), key=lambda i: specs[i].name)
 
     def representative():

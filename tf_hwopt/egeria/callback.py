@@ -17,10 +17,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_hwopt._io import write_json_atomic  # noqa: E402
-from tf_hwopt.egeria.freezing_callback import FreezingCallback, fit_argument, timed  # noqa: E402
+from tf_hwopt.egeria.freezing_callback import BATCH_NORM_DRIFT_LIMIT, FreezingCallback, fit_argument, timed  # noqa: E402
 from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
 from tf_hwopt.egeria.policy import EgeriaPolicy, check_positive_int  # noqa: E402
-from tf_hwopt.egeria.reference import Reference  # noqa: E402
+from tf_hwopt.egeria.reference import REFERENCE_MODES, TFMOT_PATH, Reference, ReferenceUnavailable  # noqa: E402
 
 STATE_FILE = "egeria_state.json"
 _STATE_VERSION = 1
@@ -63,11 +63,18 @@ class EgeriaCallback(FreezingCallback):
         reopen_lr_factor: re-open frozen modules when the learning rate has
             dropped by this factor since the last freeze (None: never).
         reference_refresh: evaluations between reference-model refreshes.
+        reference: how to build the reference model: `"auto"` (TFMOT where
+            the model can be rebuilt for it, else a clone with int8 weights;
+            the reason is in `summary()["reference_reason"]`), `"tfmot"` or
+            `"int8-weights"` (forced; a failure stops Egeria, not `fit`).
         asynchronous: build and run the reference model on a background
             thread on the host CPU. `"auto"` (default): only when training
             runs on a GPU or TPU, whose host CPUs are otherwise idle; on a
             CPU-only host the training step already uses every core, and a
             background thread would slow it down more than it saves.
+        batch_norm_drift_limit: no freeze while a module's BatchNormalization
+            moving statistics are further than this from the probe batch's
+            (see `FreezingCallback`); None: no check.
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your
@@ -96,18 +103,24 @@ class EgeriaCallback(FreezingCallback):
         max_frozen_fraction: float = 0.8,
         reopen_lr_factor: float | None = None,
         reference_refresh: int = 1,
+        reference: str = "auto",
         asynchronous: bool | str = "auto",
+        batch_norm_drift_limit: float | None = BATCH_NORM_DRIFT_LIMIT,
         log_dir: str | None = None,
         backup_dir: str | None = None,
         seed: int = 0,
         verbose: int = 1,
     ):
-        super().__init__(modules=modules, log_dir=log_dir, verbose=verbose)
+        super().__init__(
+            modules=modules, batch_norm_drift_limit=batch_norm_drift_limit, log_dir=log_dir, verbose=verbose
+        )
         check_positive_int("probe_size", probe_size)
         if probe_size < 2:
             raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
         check_positive_int("eval_every", eval_every, allow_none=True)
         check_positive_int("reference_refresh", reference_refresh)
+        if reference not in REFERENCE_MODES:
+            raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={reference!r}")
         if asynchronous not in (True, False, "auto"):
             raise ValueError(
                 f"`asynchronous` must be True, False or 'auto'. Received: asynchronous={asynchronous!r}"
@@ -133,6 +146,7 @@ class EgeriaCallback(FreezingCallback):
         self.max_frozen_fraction = max_frozen_fraction
         self.reopen_lr_factor = reopen_lr_factor
         self.reference_refresh = reference_refresh
+        self.reference_mode = reference
         self.asynchronous = asynchronous
         self.backup_dir = backup_dir
         self.seed = seed
@@ -168,12 +182,24 @@ class EgeriaCallback(FreezingCallback):
             self.policy = self._make_policy()
         self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
         if self.reference is None:
-            self.reference = Reference(
-                model,
-                [m.output_layer for m in self.modules],
-                self._probe,
-                asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
-            )
+            try:
+                self.reference = Reference(
+                    model,
+                    [m.output_layer for m in self.modules],
+                    self._probe,
+                    asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
+                    mode=self.reference_mode,
+                )
+            except ReferenceUnavailable as err:
+                self._disable(f"no reference model: {err}")
+                return
+            if self.reference_mode == "auto" and self.reference.path != TFMOT_PATH:
+                warnings.warn(
+                    f"EgeriaCallback: the reference model is a clone with int8 weights, not a TFMOT "
+                    f"model ({self.reference.reason}).",
+                    UserWarning,
+                    stacklevel=2,
+                )
         self._eval_every = self._resolve_eval_every(self.eval_every)
         self._next_eval = self._step + self._eval_every
         self._resume_checked = False
@@ -199,6 +225,13 @@ class EgeriaCallback(FreezingCallback):
             self._resume_checked = True
             if epoch > 0 and self.backup_dir:
                 self._restore(epoch)
+
+    def _teardown(self) -> None:
+        if self.reference is not None:
+            self.reference.close()
+
+    def _on_freeze_refused(self, index: int) -> None:
+        self.policy.reject(index)
 
     def _after_step(self) -> None:
         if self._step >= self._next_eval and not self.policy.settled:
@@ -363,12 +396,14 @@ class EgeriaCallback(FreezingCallback):
         `skipped_evaluations`.
         """
         report = super().summary()
+        ref = self.reference
         report.update(
             {
-                "reference_path": self.reference.path,
-                "reference_reason": self.reference.reason,
-                "reference_refreshes": self.reference.refreshes,
-                "reference_seconds": self.reference.work_seconds,
+                "reference_path": ref.path if ref else None,
+                "reference_reason": ref.reason if ref else self.disabled_reason,
+                "reference_refreshes": ref.refreshes if ref else 0,
+                "reference_build_seconds": ref.build_seconds if ref else 0.0,
+                "reference_seconds": ref.work_seconds if ref else 0.0,
                 "eval_every": getattr(self, "_eval_every", self.eval_every),
                 "evaluations": self._evaluations,
                 "skipped_evaluations": self.skipped_evaluations,

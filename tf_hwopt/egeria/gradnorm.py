@@ -70,6 +70,13 @@ class GradientNormPolicy:
         return (k,)
 
 
+    def reject(self, index: int) -> None:
+        """Module `index`, just decided, was not frozen after all: take the decision back."""
+        if index == self.num_frozen - 1:
+            self.num_frozen -= 1
+            self._calm = 0
+
+
 class GradientNormFreezeCallback(FreezingCallback):
     """Freezes the frontmost module whose gradient norm has stopped changing.
 
@@ -138,6 +145,9 @@ class GradientNormFreezeCallback(FreezingCallback):
         self._next_eval = self._step + self._every
         self._grad_norms = self._make_grad_norms()
 
+    def _on_freeze_refused(self, index: int) -> None:
+        self.policy.reject(index)
+
     def _make_grad_norms(self):
         import tensorflow as tf
 
@@ -172,7 +182,7 @@ class GradientNormFreezeCallback(FreezingCallback):
         frozen = self.policy.observe(self._step, norms)
         self.history.append({"step": self._step, "grad_norms": norms, "frozen": self.policy.num_frozen})
         if frozen:
-            self._freeze(
+            frozen = self._freeze(
                 frozen,
                 f"gradient-norm change rate {self.policy.last_rate:.4f} below {self.threshold:g} "
                 f"for {self.patience} evaluations",

@@ -9,10 +9,20 @@ For Functional and Sequential models the partition is automatic:
 1. order the layer calls topologically and find every position where exactly
    one tensor is live (the cut points); the stretches between cut points are
    the *atoms* (a residual block is one atom, because its skip connection
-   keeps two tensors live inside it);
-2. an atom that holds weights of a computing layer (Dense, Conv, attention,
-   embedding...) starts a module; weightless atoms (activations, pooling,
-   dropout) and normalization-only atoms join the module in front of them.
+   keeps two tensors live inside it; so is a squeeze-excite branch);
+2. adjacent atoms whose boundary layers are named as one block join
+   (`block_1_expand`/`block_1_depthwise`/`block_1_project` of MobileNetV2,
+   `block2a_*` of EfficientNet, `conv2_block1_preact_*` and the residual
+   atom after it in ResNet50V2); Keras's default names (`dense_3`) never
+   join anything;
+3. a stretch holding trainable weights of a computing layer (Dense, Conv,
+   attention, embedding...) starts a module; stretches without any
+   (activations, pooling, dropout, `Rescaling`, a `Normalization`
+   preprocessing layer, a layer the user froze) and normalization-only
+   stretches join the module in front of them (at the very front: the
+   module behind), so every module has something to freeze;
+4. an attention stretch and the residual feed-forward stretch after it (a
+   Transformer block written inline with stock layers) form one module.
 
 Subclassed models have no inspectable graph: give the groups yourself as
 lists of layer names (`modules=[["stem_conv", "stem_bn"], ["block1"], ...]`).
@@ -30,11 +40,19 @@ import_tensorflow_quietly()
 
 import keras  # noqa: E402
 
+from tf_hwopt import _internals  # noqa: E402
+
 _NORMALIZATION = (
     keras.layers.BatchNormalization,
     keras.layers.LayerNormalization,
     keras.layers.GroupNormalization,
     keras.layers.UnitNormalization,
+)
+_ATTENTION = (
+    keras.layers.MultiHeadAttention,
+    keras.layers.GroupQueryAttention,
+    keras.layers.Attention,
+    keras.layers.AdditiveAttention,
 )
 
 
@@ -64,32 +82,19 @@ class Module:
         return [layer.name for layer in self.layers]
 
 
-def _is_functional(model) -> bool:
-    return hasattr(model, "_nodes_by_depth") and not isinstance(model, keras.Sequential)
-
-
-def _graph_kind(model) -> str:
+def graph_kind(model) -> str:
+    """`"sequential"`, `"functional"` or `"subclassed"`."""
     if isinstance(model, keras.Sequential):
         return "sequential"
-    if _is_functional(model):
+    if _internals.is_functional(model):
         return "functional"
     return "subclassed"
-
-
-def _ordered_nodes(model):
-    """The model's layer calls in topological order (inputs first)."""
-    depth_keys = sorted(model._nodes_by_depth.keys(), reverse=True)
-    op_index = {id(op): i for i, op in enumerate(model.operations)}
-    nodes = []
-    for depth in depth_keys:
-        nodes.extend(sorted(model._nodes_by_depth[depth], key=lambda n: op_index.get(id(n.operation), 0)))
-    return nodes
 
 
 def _functional_layer_order(model) -> list:
     """Layers (no InputLayer) in topological order of their first call."""
     seen, order = set(), []
-    for node in _ordered_nodes(model):
+    for node in _internals.ordered_nodes(model):
         op = node.operation
         if isinstance(op, keras.layers.InputLayer) or id(op) in seen:
             continue
@@ -100,7 +105,7 @@ def _functional_layer_order(model) -> list:
 
 def _functional_atoms(model) -> list[list]:
     """Splits the layer calls at every position where exactly one tensor is live."""
-    nodes = [n for n in _ordered_nodes(model) if not isinstance(n.operation, keras.layers.InputLayer)]
+    nodes = [n for n in _internals.ordered_nodes(model) if not isinstance(n.operation, keras.layers.InputLayer)]
     # For each tensor: the position of the call producing it (-1: a model
     # input) and of the last call consuming it (len(nodes): a model output).
     produced: dict[int, int] = {}
@@ -137,13 +142,101 @@ def _dedupe(layers):
 
 
 def _is_heavy(layer) -> bool:
-    return bool(layer.weights) and not isinstance(layer, _NORMALIZATION)
+    """Whether a layer has trainable weights of its own computing (not normalization)."""
+    return bool(layer.trainable_weights) and not isinstance(layer, _NORMALIZATION)
+
+
+def _explicit_name_tokens(layer) -> list[str] | None:
+    """The `_`-separated tokens of a name the model's author chose, or None.
+
+    Keras's default names (`dense_3`, `layer_normalization_1`) carry no block
+    structure and give None.
+    """
+    if _internals.auto_layer_name_pattern(layer).fullmatch(layer.name):
+        return None
+    return layer.name.split("_")
+
+
+def _same_named_block(a, b) -> bool:
+    """Whether two adjacent layers are named as parts of one block.
+
+    `block_1_expand` and `block_1_depthwise`, `block2a_dwconv` and
+    `block2a_se_squeeze`, `conv2_block1_preact_relu` and `conv2_block1_0_conv`
+    are; `block_1_project` and `block_2_expand`, or any Keras default name,
+    are not. The names must share a leading run of tokens that numbers the
+    block (holds a digit) or has two or more tokens, and the first tokens
+    after it must not both be numbers of their own (`_1` vs `_2`).
+    """
+    ta, tb = _explicit_name_tokens(a), _explicit_name_tokens(b)
+    if not ta or not tb:
+        return False
+    k = 0
+    while k < min(len(ta), len(tb)) and ta[k] == tb[k]:
+        k += 1
+    if k == 0:
+        return False
+    common = ta[:k]
+    if k < 2 and not any(ch.isdigit() for ch in common[0]):
+        return False
+    x = ta[k] if k < len(ta) else None
+    y = tb[k] if k < len(tb) else None
+    if x is None or y is None:
+        other = x if y is None else y
+        return other is not None and not other.isdigit()
+    return not (any(ch.isdigit() for ch in x) and any(ch.isdigit() for ch in y))
+
+
+def _merge_named_blocks(atoms: list[list]) -> list[list]:
+    """Joins adjacent atoms whose boundary layers are named as one block."""
+    blocks: list[list] = []
+    for atom in atoms:
+        if blocks and _same_named_block(blocks[-1][-1], atom[0]):
+            blocks[-1].extend(atom)
+        else:
+            blocks.append(list(atom))
+    return blocks
+
+
+def _is_attention_block(group) -> bool:
+    return any(isinstance(layer, _ATTENTION) for layer in group)
+
+
+def _is_residual_feed_forward(group) -> bool:
+    return (
+        not _is_attention_block(group)
+        and any(isinstance(layer, keras.layers.Add) for layer in group)
+        and any(_is_heavy(layer) for layer in group)
+    )
+
+
+def _merge_transformer_blocks(groups: list[list]) -> list[list]:
+    """Joins each attention sub-block with the residual feed-forward after it.
+
+    A Transformer block written inline with stock layers cuts into two
+    stretches (attention, then feed-forward, each closed by its residual
+    add); they form one module. The last group (the head) is never joined.
+    """
+    merged: list[list] = []
+    i = 0
+    while i < len(groups):
+        group = list(groups[i])
+        if (
+            _is_attention_block(group)
+            and i + 2 < len(groups)
+            and _is_residual_feed_forward(groups[i + 1])
+        ):
+            group.extend(groups[i + 1])
+            i += 1
+        merged.append(group)
+        i += 1
+    return merged
 
 
 def _group_atoms(atoms: list[list]) -> list[list]:
+    """Modules from atoms: blocks by name, weightless stretches joined, Transformer blocks joined."""
     groups: list[list] = []
     pending: list = []
-    for atom in atoms:
+    for atom in _merge_named_blocks(atoms):
         if any(_is_heavy(layer) for layer in atom):
             groups.append(pending + atom)
             pending = []
@@ -156,12 +249,12 @@ def _group_atoms(atoms: list[list]) -> list[list]:
             groups[-1].extend(pending)
         else:
             groups.append(pending)
-    return groups
+    return _merge_transformer_blocks(groups)
 
 
 def _all_layers_by_name(model) -> dict:
     layers = {}
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in _internals.all_layers(model):
         layers.setdefault(layer.name, layer)
     return layers
 
@@ -195,7 +288,7 @@ def _explicit_groups(model, modules: Sequence[Sequence[str]]) -> list[list]:
             seen[name] = i
             layers.append(by_name[name])
         groups.append(layers)
-    kind = _graph_kind(model)
+    kind = graph_kind(model)
     if kind != "subclassed":
         order = (
             list(model.layers) if kind == "sequential" else _functional_layer_order(model)
@@ -255,7 +348,7 @@ def partition_modules(
             f"Model {model.name!r} is not built. Build it (call it on a batch, or "
             "give it an Input) before partitioning it into modules."
         )
-    kind = _graph_kind(model)
+    kind = graph_kind(model)
     if modules is not None:
         groups = _explicit_groups(model, modules)
     elif kind == "sequential":

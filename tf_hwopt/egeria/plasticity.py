@@ -78,30 +78,38 @@ def module_plasticity(
 
 
 class ActivationReader:
-    """Reads the output of chosen layers of a Keras 3 model on a batch.
+    """Reads the output (or input) of chosen layers of a Keras 3 model on a batch.
 
     Works for Functional, Sequential and subclassed models alike: while the
     forward function is traced, a hook on each chosen layer's `call` records
-    its output, and the traced function returns those outputs. The trace is
-    reused afterwards (weights are read at run time, never copied).
+    its output (or its first input), and the traced function returns them as
+    float32. The trace is reused afterwards (weights are read at run time,
+    never copied). The model runs in inference mode.
+
+    Args:
+        model: the Keras model.
+        layers: the layers to read, in the order of the returned list.
+        capture: `"outputs"` or `"inputs"`.
 
     Example:
     >>> reader = ActivationReader(model, [m.output_layer for m in modules])
     >>> activations = reader(probe_x)   # list of float32 NumPy arrays
     """
 
-    def __init__(self, model, layers: Sequence):
+    def __init__(self, model, layers: Sequence, *, capture: str = "outputs"):
         import tensorflow as tf
 
         from tf_hwopt._layer_hooks import hooked_calls
 
+        if capture not in ("outputs", "inputs"):
+            raise ValueError(f"`capture` must be 'outputs' or 'inputs'. Received: capture={capture!r}")
         self._model = model
         self._layers = list(layers)
         captured: dict[int, object] = {}
 
         def record(i, call, args, kwargs):
             out = call(*args, **kwargs)
-            captured[i] = out
+            captured[i] = out if capture == "outputs" else args[0]
             return out
 
         def forward(x):
@@ -117,7 +125,42 @@ class ActivationReader:
         self._forward = tf.function(forward, reduce_retracing=True)
 
     def __call__(self, x) -> list[np.ndarray]:
-        return [np.asarray(a) for a in self._forward(x)]
+        return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]
+
+
+def conform_inputs(model, x):
+    """`x` with integer ids fed to a float `Input` cast to its dtype, as `model.predict` takes it.
+
+    Only NumPy arrays and tensors in the structure of `model.inputs` are
+    touched; models without symbolic inputs (subclassed) get `x` unchanged.
+    """
+    import keras
+
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        return x
+    if isinstance(x, dict):
+        by_name = {t.name: t.dtype for t in inputs}
+        return {k: _cast_to(v, by_name.get(k)) for k, v in x.items()}
+    flat = keras.tree.flatten(x)
+    if len(flat) != len(inputs):
+        return x
+    cast = [_cast_to(a, t.dtype) for a, t in zip(flat, inputs)]
+    return keras.tree.pack_sequence_as(x, cast)
+
+
+def _cast_to(a, dtype):
+    """Integer or bool data cast to a float input's dtype (NumPy), else `a` unchanged."""
+    import keras
+
+    if dtype is None or not hasattr(a, "dtype"):
+        return a
+    want = keras.backend.standardize_dtype(dtype)
+    have = keras.backend.standardize_dtype(a.dtype)
+    if "float" not in want or "float" in have:
+        return a
+    return np.asarray(a).astype(want if want != "bfloat16" else "float32")
 
 
 def _num_examples(x) -> int:
@@ -135,7 +178,8 @@ def _to_numpy(x):
     return keras.tree.map_structure(np.asarray, x)
 
 
-def _take(x, index):
+def take(x, index):
+    """`x[index]` for an array or each array of a list/dict of them."""
     import keras
 
     return keras.tree.map_structure(lambda a: a[index], x)
@@ -180,7 +224,7 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None)
             "Pass a smaller probe_size."
         )
     idx = np.sort(np.random.RandomState(seed).choice(n, size, replace=False))
-    return _take(data, idx)
+    return take(data, idx)
 
 
 def _probe_from_dataset(dataset, size, input_ndim):
@@ -190,7 +234,7 @@ def _probe_from_dataset(dataset, size, input_ndim):
     for element in dataset:
         x = _to_numpy(element[0] if isinstance(element, tuple) else element)
         if input_ndim is not None and keras.tree.flatten(x)[0].ndim == input_ndim - 1:
-            x = _take(x, np.newaxis)  # unbatched elements
+            x = take(x, np.newaxis)  # unbatched elements
         chunks.append(x)
         total += _num_examples(x)
         if total >= size:
@@ -201,4 +245,4 @@ def _probe_from_dataset(dataset, size, input_ndim):
             "in the dataset). Pass a smaller probe_size."
         )
     joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *chunks)
-    return _take(joined, slice(0, size))
+    return take(joined, slice(0, size))

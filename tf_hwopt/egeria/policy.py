@@ -247,6 +247,16 @@ class EgeriaPolicy:
             relative_slope=slope,
         )
 
+    def reject(self, index: int) -> None:
+        """Module `index`, just decided, was not frozen after all: take the decision back.
+
+        Its window is kept; it needs `patience` converged evaluations again.
+        """
+        if index != self.num_frozen - 1:
+            raise ValueError(f"Only the last frozen module ({self.num_frozen - 1}) can be rejected; got {index}.")
+        self.num_frozen -= 1
+        self._stable[index] = 0
+
     def get_state(self) -> dict:
         """A JSON-serialisable snapshot (for resuming)."""
         return {

@@ -43,18 +43,24 @@ import_tensorflow_quietly()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from tf_hwopt.egeria.plasticity import ActivationReader, _take  # noqa: E402
+from tf_hwopt import _internals  # noqa: E402
+from tf_hwopt.egeria.plasticity import ActivationReader, take  # noqa: E402
 
 logger = logging.getLogger("tf_hwopt.egeria")
 
 TFMOT_PATH = "tfmot"
 FALLBACK_PATH = "int8-weights"
+REFERENCE_MODES = ("auto", TFMOT_PATH, FALLBACK_PATH)
 # The rebuilt tf_keras model must reproduce the Keras 3 model this closely.
 _REBUILD_RTOL = 1e-4
 
 
 class _NotRebuildable(Exception):
     pass
+
+
+class ReferenceUnavailable(RuntimeError):
+    """Neither way of building the reference model worked for this model."""
 
 
 def quantize_int8_per_channel(w: np.ndarray) -> np.ndarray:
@@ -109,9 +115,9 @@ def _tf_keras_layer(layer, tf_keras):
 
 def _rebuild_tf_keras(model, tf_keras):
     """Rebuilds a Functional or Sequential Keras 3 model as a tf_keras model."""
-    from tf_hwopt.egeria.modules import _graph_kind, _ordered_nodes
+    from tf_hwopt.egeria.modules import graph_kind
 
-    kind = _graph_kind(model)
+    kind = graph_kind(model)
     if kind == "subclassed":
         raise _NotRebuildable("subclassed model (no layer graph to rebuild)")
     if kind == "sequential":
@@ -134,7 +140,7 @@ def _rebuild_tf_keras(model, tf_keras):
         t = tf_keras.Input(tuple(tensor.shape[1:]), dtype=tensor.dtype, name=tensor.name)
         tensors[id(tensor)] = t
         tk_inputs.append(t)
-    for node in _ordered_nodes(model):
+    for node in _internals.ordered_nodes(model):
         op = node.operation
         if isinstance(op, keras.layers.InputLayer):
             continue
@@ -167,7 +173,7 @@ def _snapshot(model) -> list[np.ndarray]:
 
 def _head(x, n=8):
     """The first `n` examples of a batch (array, or list/dict of arrays)."""
-    return _take(x, slice(0, n))
+    return take(x, slice(0, n))
 
 
 def _set_layer_weights(layer, weights):
@@ -222,17 +228,8 @@ class _TfmotReference:
 
     def __init__(self, model, output_layers, probe_x, weights, expected):
         tf_keras, tfmot = import_tf_keras_quietly()
-        from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (
-            default_8bit_quantize_registry as registry_lib,
-        )
-
         with tf.device("/CPU:0"):
-            try:
-                tk = _rebuild_tf_keras(model, tf_keras)
-            except _NotRebuildable:
-                raise
-            except Exception as err:  # noqa: BLE001
-                raise _NotRebuildable(f"rebuild failed: {err}") from err
+            tk = _rebuild_tf_keras(model, tf_keras)
             self._float = tk
             index = {id(v): i for i, v in enumerate(model.weights)}
             self._slices = {
@@ -244,7 +241,7 @@ class _TfmotReference:
                 _set_layer_weights(tk.get_layer(name), w)
             self._check_rebuild(tk, probe_x, expected, model.dtype_policy.compute_dtype)
 
-            registry = registry_lib.Default8BitQuantizeRegistry()
+            registry = _internals.tfmot_default_registry()
             kernel_config = _kernel_quantize_config_class(tfmot)
             annotate = tfmot.quantization.keras.quantize_annotate_layer
             self.float_layers: list[str] = []
@@ -270,7 +267,7 @@ class _TfmotReference:
                 self._inner[inner.name] = (layer, inner)
             self._reader = tf_keras.Model(
                 self._quantized.inputs,
-                [self._inner[layer.name][0].output for layer in output_layers],
+                [_internals.tf_keras_node_output(self._quantized, self._inner[layer.name][0]) for layer in output_layers],
             )
             self._calibration = self._calibration_plan(tf_keras)
             # Compiled once; a refresh is three calls of compiled functions.
@@ -313,9 +310,7 @@ class _TfmotReference:
         float_tensors = []
         input_names = {t.name.split(":")[0] for t in self._float.inputs}
         for layer in self._quantized.layers:
-            weight_quantizer_vars = set()
-            for _, _, qvars in getattr(layer, "_weight_vars", []):
-                weight_quantizer_vars.update(id(v) for v in qvars.values())
+            weight_quantizer_vars = _internals.tf_keras_weight_quantizer_vars(layer)
             ranges = {}
             for v in layer.non_trainable_weights:
                 short = v.name.split("/")[-1].split(":")[0]
@@ -328,8 +323,7 @@ class _TfmotReference:
             if inner is not None:
                 source = self._float.get_layer(inner.name).output
             else:  # a QuantizeLayer quantizing a model input
-                producer = layer._inbound_nodes[0].inbound_layers
-                producer = producer[0] if isinstance(producer, list) else producer
+                producer = _internals.tf_keras_producer(layer)
                 source = self._float.get_layer(producer.name).output if producer.name not in input_names else self._float.inputs[0]
             float_tensors.append(source)
             for pair in ranges.values():
@@ -390,12 +384,12 @@ class _CloneReference:
     def __init__(self, model, output_layers, probe_x, reason: str):
         with tf.device("/CPU:0"):
             clone = _clone(model, probe_x)
-            originals = list(model._flatten_layers(include_self=False))
-            clones = list(clone._flatten_layers(include_self=False))
+            originals = _internals.all_layers(model)
+            clones = _internals.all_layers(clone)
             if len(originals) != len(clones):
-                raise ValueError(
-                    f"Cannot build an int8 reference for model {model.name!r}: its clone "
-                    "has a different layer structure. Implement `get_config`/`from_config`."
+                raise ReferenceUnavailable(
+                    f"the clone of model {model.name!r} has a different layer structure; "
+                    "implement `get_config`/`from_config`"
                 )
             index = {id(layer): i for i, layer in enumerate(originals)}
             self._clone = clone
@@ -427,9 +421,8 @@ def _clone(model, probe_x):
         if [tuple(v.shape) for v in clone.weights] == [tuple(v.shape) for v in model.weights]:
             return clone
         errors.append(f"{label}: the clone's weights differ in number or shape")
-    raise ValueError(
-        f"Cannot build a reference model for {model.name!r}: it can neither be "
-        f"rebuilt for TFMOT nor cloned ({'; '.join(errors)}). Give the model "
+    raise ReferenceUnavailable(
+        f"cannot clone model {model.name!r} ({'; '.join(errors)}). Give the model "
         "`get_config`/`from_config` (or a constructor without required "
         "arguments) so that Keras can clone it."
     )
@@ -438,17 +431,27 @@ def _clone(model, probe_x):
 class Reference:
     """The int8 reference model, refreshed from the training model.
 
+    The reference is built when the object is created, on the calling
+    thread, so that a model it cannot handle is known at once. With
+    `mode="auto"`, any failure of the TFMOT path falls back to the
+    int8-weights clone (the cause is kept in `reason`); `ReferenceUnavailable`
+    is raised only when both fail, or when the forced path fails.
+
     Args:
         model: the Keras 3 training model.
         output_layers: the layers whose outputs are the module boundaries.
         probe_x: the fixed probe batch (inputs only).
-        asynchronous: build and evaluate on a background thread.
+        asynchronous: refresh (quantize and evaluate) on a background thread.
+        mode: `"auto"` (TFMOT, else int8 weights), `"tfmot"` or
+            `"int8-weights"` (forced).
 
     Attributes:
         path: `"tfmot"` or `"int8-weights"`.
         reason: why that path was taken.
         float_layers: layers TFMOT left in float (int8 weights only).
         refreshes: how many times the reference was refreshed.
+        build_seconds: wall time of the build.
+        work_seconds: wall time of the build and every refresh, wherever they ran.
 
     Example:
     >>> ref = Reference(model, [m.output_layer for m in modules], probe_x)
@@ -456,54 +459,72 @@ class Reference:
     >>> activations = ref.activations()    # waits only if not finished yet
     """
 
-    def __init__(self, model, output_layers: Sequence, probe_x, *, asynchronous: bool = True):
+    def __init__(
+        self,
+        model,
+        output_layers: Sequence,
+        probe_x,
+        *,
+        asynchronous: bool = True,
+        mode: str = "auto",
+    ):
+        if mode not in REFERENCE_MODES:
+            raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={mode!r}")
         self._probe_x = probe_x
-        self.work_seconds = 0.0  # wall time of the builds and refreshes, wherever they ran
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="egeria-reference")
             if asynchronous
             else None
         )
-        # What the build needs from the live model is read now, on the
-        # training thread; the build itself runs off-thread.
-        weights = _snapshot(model)
-        expected = keras.ops.convert_to_numpy(model(_head(probe_x), training=False))
-        self._impl_future = self._run(self._build, model, list(output_layers), weights, expected)
         self._future: concurrent.futures.Future | None = None
         self.refreshes = 0
+        start = time.perf_counter()
+        self._impl = self._build(model, list(output_layers), mode)
+        self.build_seconds = time.perf_counter() - start
+        self.work_seconds = self.build_seconds
 
-    def _run(self, fn, *args) -> concurrent.futures.Future:
-        def timed(*a):
+    def _build(self, model, output_layers, mode):
+        tfmot_error = None
+        if mode in ("auto", TFMOT_PATH):
+            try:
+                weights = _snapshot(model)
+                expected = keras.ops.convert_to_numpy(model(_head(self._probe_x), training=False))
+                impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
+                logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
+                return impl
+            except Exception as err:  # noqa: BLE001 - any failure of TFMOT's path falls back
+                tfmot_error = _one_line(err)
+                if mode == TFMOT_PATH:
+                    raise ReferenceUnavailable(f"the TFMOT reference (forced) failed: {tfmot_error}") from err
+        reason = tfmot_error or "int8-weights path chosen with reference='int8-weights'"
+        try:
+            impl = _CloneReference(model, output_layers, self._probe_x, reason=reason)
+        except Exception as err:  # noqa: BLE001 - reported with both causes
+            causes = f"TFMOT: {tfmot_error}; int8 weights: {_one_line(err)}" if tfmot_error else _one_line(err)
+            raise ReferenceUnavailable(f"no reference model could be built ({causes})") from err
+        logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
+        return impl
+
+    def _run(self, fn) -> concurrent.futures.Future:
+        def timed():
             start = time.perf_counter()
             try:
-                return fn(*a)
+                return fn()
             finally:
                 self.work_seconds += time.perf_counter() - start
 
         if self._executor is not None:
-            return self._executor.submit(timed, *args)
+            return self._executor.submit(timed)
         future: concurrent.futures.Future = concurrent.futures.Future()
         try:
-            future.set_result(timed(*args))
+            future.set_result(timed())
         except Exception as err:  # noqa: BLE001 - re-raised by .result()
             future.set_exception(err)
         return future
 
-    def _build(self, model, output_layers, weights, expected):
-        try:
-            impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
-        except _NotRebuildable as err:
-            impl = _CloneReference(model, output_layers, self._probe_x, reason=str(err))
-        logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
-        return impl
-
-    @property
-    def _impl(self):
-        return self._impl_future.result()
-
     @property
     def path(self) -> str:
-        """`"tfmot"` or `"int8-weights"` (waits for the build)."""
+        """`"tfmot"` or `"int8-weights"`."""
         return self._impl.path
 
     @property
@@ -515,7 +536,7 @@ class Reference:
         return list(self._impl.float_layers)
 
     def submit_refresh(self, model) -> None:
-        """Snapshots `model`'s weights now; quantizes and evaluates them off-thread."""
+        """Snapshots `model`'s weights now; quantizes and evaluates them (off-thread if asynchronous)."""
         weights = _snapshot(model)
         self.refreshes += 1
         self._future = self._run(lambda: self._impl.refresh(weights, self._probe_x))
@@ -531,5 +552,13 @@ class Reference:
         return self._future.result()
 
     def close(self) -> None:
+        """Stops the background thread (waits for a refresh in flight)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+            self._executor = None
+
+
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = str(err).strip().splitlines()
+    first = text[0][:limit] if text else ""
+    return first if isinstance(err, _NotRebuildable) else f"{type(err).__name__}: {first}"

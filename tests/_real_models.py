@@ -1,0 +1,95 @@
+"""Models people train, built small: keras.applications, stock-layer and
+custom-layer Transformers, dict inputs, a subclassed model. Shared by the
+real-model tests and the `tf-hwopt` overhead measurement in the closing note."""
+
+import keras
+import numpy as np
+
+VOCAB, SEQ = 40, 16
+
+
+def mobilenet_v2():
+    return keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None, classes=4)
+
+
+def efficientnet_b0():
+    return keras.applications.EfficientNetB0(input_shape=(32, 32, 3), weights=None, classes=4)
+
+
+def resnet50_v2():
+    return keras.applications.ResNet50V2(input_shape=(32, 32, 3), weights=None, classes=4)
+
+
+def stock_transformer_lm(pre_ln: bool, blocks: int = 2, dim: int = 32, float_ids: bool = False):
+    """A character LM written with stock Keras layers only (no custom class)."""
+    ids = keras.Input((SEQ,), dtype="float32" if float_ids else "int32", name="ids")
+    h = keras.layers.Embedding(VOCAB, dim, name="embed")(ids)
+    for _ in range(blocks):
+        if pre_ln:
+            a = keras.layers.LayerNormalization()(h)
+            a = keras.layers.MultiHeadAttention(2, dim // 2)(a, a, use_causal_mask=True)
+            h = keras.layers.Add()([h, a])
+            f = keras.layers.LayerNormalization()(h)
+            f = keras.layers.Dense(2 * dim, activation="gelu")(f)
+            f = keras.layers.Dense(dim)(f)
+            h = keras.layers.Add()([h, f])
+        else:
+            a = keras.layers.MultiHeadAttention(2, dim // 2)(h, h, use_causal_mask=True)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, keras.layers.Dropout(0.1)(a)]))
+            f = keras.layers.Dense(2 * dim, activation="relu")(h)
+            f = keras.layers.Dense(dim)(f)
+            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+    if pre_ln:
+        h = keras.layers.LayerNormalization()(h)
+    return keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(h))
+
+
+def dict_input_model():
+    signal = keras.Input((24,), name="signal")
+    meta = keras.Input((4,), name="meta")
+    h = keras.layers.Dense(32, activation="relu", name="signal_dense")(signal)
+    h = keras.layers.Concatenate(name="join")([h, meta])
+    h = keras.layers.Dense(32, activation="relu", name="mid")(h)
+    return keras.Model({"signal": signal, "meta": meta}, keras.layers.Dense(4, name="head")(h))
+
+
+class SubclassedMLP(keras.Model):
+    """Written the way users write them: layers in __init__, never built before fit."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(32, activation="relu", name="d1")
+        self.d2 = keras.layers.Dense(32, activation="relu", name="d2")
+        self.out = keras.layers.Dense(4, name="out")
+
+    def call(self, x):
+        return self.out(self.d2(self.d1(x)))
+
+
+def image_data(n=128, seed=0, scale=1.0):
+    rng = np.random.RandomState(seed)
+    y = rng.randint(0, 4, n)
+    x = rng.normal(0, 1, (n, 32, 32, 3)).astype("float32") + y[:, None, None, None] * 0.5
+    return x * scale, y
+
+
+def token_data(n=256, seed=0):
+    rng = np.random.RandomState(seed)
+    seqs = (np.arange(SEQ + 1)[None, :] * rng.randint(1, 4, (n, 1)) + rng.randint(0, VOCAB, (n, 1))) % VOCAB
+    return seqs[:, :-1].astype("int32"), seqs[:, 1:].astype("int32")
+
+
+def dict_data(n=256, seed=0):
+    rng = np.random.RandomState(seed)
+    y = rng.randint(0, 4, n)
+    x = {
+        "signal": (rng.rand(n, 24) + y[:, None] * 0.1).astype("float32"),
+        "meta": rng.rand(n, 4).astype("float32"),
+    }
+    return x, y
+
+
+def vector_data(n=256, seed=0):
+    rng = np.random.RandomState(seed)
+    y = rng.randint(0, 4, n)
+    return (rng.rand(n, 8) + y[:, None] * 0.2).astype("float32"), y

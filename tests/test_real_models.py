@@ -1,0 +1,352 @@
+"""EgeriaCallback on the models people train (issue: never a crash, one module
+per block, a faithful reference, an export of what was trained).
+
+Real TensorFlow, small inputs, few steps. Each model: the expected modules, the
+reference path and its per-module error against the float model, at least one
+freeze with loose settings, frozen weights bit-identical to the end of fit, and
+an export round trip equal to `model.predict`."""
+
+import re
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_hwopt
+from tf_hwopt.egeria import ActivationReader, Reference, partition_modules
+from tf_hwopt.egeria import reference as reference_module
+
+import _real_models as R
+from conftest import FreezeWatcher, module_values
+
+# Largest relative L2 error of a module's output in the int8 reference against
+# the float model at equal weights (measured: MobileNetV2 0.09, pre-LN
+# Transformer 0.10, post-LN 0.02, dict MLP 0.01).
+REFERENCE_REL_ERROR = 0.15
+
+
+def loose(**overrides):
+    """Settings that freeze within a few evaluations."""
+    config = dict(probe_size=16, eval_every=2, window=2, patience=1, tolerance=1e6, bootstrap_steps=0,
+                  asynchronous=False, verbose=0, batch_norm_drift_limit=None)
+    config.update(overrides)
+    return tf_hwopt.EgeriaCallback(**config)
+
+
+def fit_checked(model, x, y=None, *, callback, **fit_kwargs):
+    """Fits with a FreezeWatcher; fails on any warning from our calls about input structure."""
+    watcher = FreezeWatcher(callback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x, y, callbacks=[callback, watcher], verbose=0, **fit_kwargs)
+    structure = [str(w.message) for w in caught if "structure" in str(w.message).lower()]
+    assert not structure, structure
+    return watcher, caught
+
+
+def assert_frozen_unchanged(callback, watcher):
+    assert watcher.at_freeze, "no module froze"
+    for i, before in watcher.at_freeze.items():
+        assert all(np.array_equal(a, b) for a, b in zip(before, module_values(callback, i))), i
+
+
+def assert_export_round_trip(model, sample, tmp_path):
+    result = tf_hwopt.export_saved_model(model, str(tmp_path / "export"), sample=sample)
+    served = tf.saved_model.load(result.path).signatures["serving_default"]
+    if isinstance(sample, dict):
+        feed = {k: tf.constant(np.asarray(v)[:8].astype(served.structured_input_signature[1][k].dtype.as_numpy_dtype))
+                for k, v in sample.items()}
+    else:
+        name, spec = next(iter(served.structured_input_signature[1].items()))
+        feed = {name: tf.constant(np.asarray(sample)[:8].astype(spec.dtype.as_numpy_dtype))}
+    got = np.asarray(next(iter(served(**feed).values())), np.float32)
+    want = np.asarray(model.predict(keras.tree.map_structure(lambda a: np.asarray(a)[:8], sample), verbose=0), np.float32)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+def reference_errors(model, x, mode="auto"):
+    mods = partition_modules(model, count_flops=False)
+    layers = [m.output_layer for m in mods]
+    ref = Reference(model, layers, x, asynchronous=False, mode=mode)
+    ref.submit_refresh(model)
+    errors = [
+        float(np.linalg.norm(f - r) / max(np.linalg.norm(f), 1e-12))
+        for f, r in zip(ActivationReader(model, layers)(x), ref.activations())
+    ]
+    return ref, errors
+
+
+# ------------------------------------------------------------- partition
+
+
+def _block_of(name, pattern):
+    match = re.match(pattern, name)
+    return match.group(1) if match else None
+
+
+@pytest.mark.parametrize(
+    "build, expected, pattern",
+    [
+        # stem, 17 inverted-residual blocks, Conv_1, head
+        (R.mobilenet_v2, 20, r"^(expanded_conv|block_\d+)_"),
+        # stem (Rescaling/Normalization joined), 16 MBConv blocks, top conv, head
+        (R.efficientnet_b0, 19, r"^(block\d+[a-z])_"),
+        # stem, 16 residual blocks (preactivation included), head
+        (R.resnet50_v2, 18, r"^(conv\d_block\d+)_"),
+    ],
+    ids=["MobileNetV2", "EfficientNetB0", "ResNet50V2"],
+)
+def test_keras_applications_split_into_one_module_per_block(build, expected, pattern):
+    keras.utils.set_random_seed(0)
+    mods = partition_modules(build(), count_flops=False)
+    assert len(mods) == expected
+    owner = {}
+    for m in mods:
+        assert any(layer.trainable_weights for layer in m.layers), f"module {m.index} has nothing to freeze"
+        for layer in m.layers:
+            block = _block_of(layer.name, pattern)
+            if block is not None:
+                owner.setdefault(block, set()).add(m.index)
+    split = {b: sorted(i) for b, i in owner.items() if len(i) > 1}
+    assert not split, f"blocks split over modules: {split}"
+
+
+@pytest.mark.parametrize("pre_ln", [False, True], ids=["post-LN", "pre-LN"])
+def test_stock_layer_transformer_gives_one_module_per_block(pre_ln):
+    keras.utils.set_random_seed(0)
+    mods = partition_modules(R.stock_transformer_lm(pre_ln, blocks=3), count_flops=False)
+    # embedding, 3 blocks, head
+    assert len(mods) == 5
+    for m in mods[1:4]:
+        kinds = [type(layer).__name__ for layer in m.layers]
+        assert kinds.count("MultiHeadAttention") == 1 and kinds.count("Dense") == 2, kinds
+        assert kinds.count("Add") == 2
+
+
+def test_weightless_front_layers_join_their_neighbour():
+    keras.utils.set_random_seed(0)
+    mods = partition_modules(R.efficientnet_b0(), count_flops=False)
+    kinds = [type(layer).__name__ for layer in mods[0].layers]
+    assert kinds[:2] == ["Rescaling", "Normalization"] and "Conv2D" in kinds
+    text = []
+    tf_hwopt.egeria.describe_modules(R.efficientnet_b0(), print_fn=text.append)
+    assert "rescaling" in text[1] and "stem_conv" in text[1]
+
+
+# ------------------------------------------------------------- reference
+
+
+@pytest.mark.parametrize(
+    "build, data",
+    [
+        (R.mobilenet_v2, lambda: R.image_data(32)[0]),
+        (lambda: R.stock_transformer_lm(False), lambda: R.token_data(32)[0]),
+        (lambda: R.stock_transformer_lm(True), lambda: R.token_data(32)[0]),
+        (R.dict_input_model, lambda: R.dict_data(32)[0]),
+    ],
+    ids=["MobileNetV2", "post-LN", "pre-LN", "dict"],
+)
+def test_reference_is_built_through_tfmot_and_is_faithful(build, data):
+    keras.utils.set_random_seed(0)
+    ref, errors = reference_errors(build(), data())
+    assert ref.path == "tfmot", ref.reason
+    assert max(errors) <= REFERENCE_REL_ERROR, errors
+
+
+@pytest.mark.parametrize(
+    "build, scale", [(R.efficientnet_b0, 50.0), (R.resnet50_v2, 1.0)], ids=["EfficientNetB0", "ResNet50V2"]
+)
+def test_big_applications_build_a_faithful_tfmot_reference(build, scale):
+    # Training through EgeriaCallback is covered on MobileNetV2 (same layer kinds).
+    keras.utils.set_random_seed(0)
+    ref, errors = reference_errors(build(), R.image_data(16, scale=scale)[0])
+    assert ref.path == "tfmot", ref.reason
+    assert max(errors) <= REFERENCE_REL_ERROR, errors
+
+
+def test_tfmot_failure_falls_back_with_one_warning(monkeypatch, mnist1d_small):
+    from conftest import compile_model, small_resnet
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated TFMOT failure")
+
+    monkeypatch.setattr(reference_module._TfmotReference, "__init__", broken)
+    x, y, _, _ = mnist1d_small
+    egeria = loose(eval_every=4, max_frozen_fraction=0.5)
+    with pytest.warns(UserWarning, match="int8 weights") as record:
+        compile_model(small_resnet()).fit(x[:512], y[:512], batch_size=32, epochs=1, callbacks=[egeria], verbose=0)
+    assert len([w for w in record if "EgeriaCallback" in str(w.message)]) == 1
+    s = egeria.summary()
+    assert s["reference_path"] == "int8-weights" and "simulated TFMOT failure" in s["reference_reason"]
+    assert s["frozen_modules"] >= 1
+
+
+def test_both_reference_paths_failing_stops_egeria_not_fit(monkeypatch, mnist1d_small):
+    from conftest import compile_model, small_resnet
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure")
+
+    monkeypatch.setattr(reference_module._TfmotReference, "__init__", broken)
+    monkeypatch.setattr(reference_module._CloneReference, "__init__", broken)
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    before = [w.numpy().copy() for w in model.trainable_weights]
+    egeria = loose(eval_every=4)
+    with pytest.warns(RuntimeWarning, match="EgeriaCallback stopped: no reference model") as record:
+        history = model.fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria], verbose=0)
+    assert len([w for w in record if "stopped" in str(w.message)]) == 1
+    assert len(history.history["loss"]) == 2
+    assert all(not np.array_equal(a, w.numpy()) for a, w in zip(before, model.trainable_weights)), "not trained"
+    s = egeria.summary()
+    assert s["status"] == "disabled" and "simulated failure" in s["disabled_reason"] and s["frozen_modules"] == 0
+    assert all(layer.trainable for layer in model.layers)
+
+
+def test_forced_paths(mnist1d_small):
+    from conftest import compile_model, small_resnet
+
+    x, y, _, _ = mnist1d_small
+    egeria = loose(eval_every=4, reference="int8-weights")
+    compile_model(small_resnet()).fit(x[:256], y[:256], batch_size=32, epochs=1, callbacks=[egeria], verbose=0)
+    assert egeria.summary()["reference_path"] == "int8-weights"
+    # TFMOT forced on a subclassed model: Egeria stops, fit goes on.
+    model = R.SubclassedMLP()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    egeria = loose(reference="tfmot", modules=[["d1"], ["d2"], ["out"]])
+    xs, ys = R.vector_data(64)
+    with pytest.warns(RuntimeWarning, match="TFMOT reference \\(forced\\) failed"):
+        model.fit(xs, ys, batch_size=16, epochs=1, callbacks=[egeria], verbose=0)
+    assert egeria.summary()["status"] == "disabled"
+    with pytest.raises(ValueError, match="reference"):
+        tf_hwopt.EgeriaCallback(reference="float")
+
+
+def test_summary_works_before_fit():
+    s = tf_hwopt.EgeriaCallback().summary()
+    assert s["status"] == "not started" and s["frozen_modules"] == 0 and s["reference_path"] is None
+
+
+# ------------------------------------------------------------- training
+
+
+def test_mobilenet_v2_on_tf_data_freezes_and_exports(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = R.mobilenet_v2()
+    model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    x, y = R.image_data(64)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(64, seed=0).batch(16).prefetch(2)
+    egeria = loose(probe_data=ds, eval_every=2, max_frozen_fraction=0.1)
+    watcher, _ = fit_checked(model, ds, callback=egeria, epochs=2)
+    s = egeria.summary()
+    assert s["reference_path"] == "tfmot" and s["frozen_modules"] >= 1, s
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x[:8], tmp_path)
+
+
+@pytest.mark.parametrize("pre_ln", [False, True], ids=["post-LN", "pre-LN"])
+def test_stock_layer_transformer_trains_freezes_and_exports(pre_ln, tmp_path):
+    keras.utils.set_random_seed(0)
+    model = R.stock_transformer_lm(pre_ln)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = R.token_data()
+    egeria = loose()
+    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    s = egeria.summary()
+    assert s["reference_path"] == "tfmot" and s["num_modules"] == 4 and s["frozen_modules"] >= 1
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x, tmp_path)
+
+
+def test_custom_layer_transformer_falls_back_and_trains(tmp_path):
+    from tf_hwopt.models import char_transformer
+
+    keras.utils.set_random_seed(0)
+    model = char_transformer(vocab_size=R.VOCAB, seq_len=R.SEQ, d_model=32, num_heads=2, num_blocks=2)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = R.token_data()
+    egeria = loose()
+    watcher, caught = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    assert len([w for w in caught if "int8 weights" in str(w.message)]) == 1
+    s = egeria.summary()
+    assert s["reference_path"] == "int8-weights" and "custom class" in s["reference_reason"]
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x, tmp_path)
+
+
+def test_dict_inputs_train_without_structure_warnings_and_export(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = R.dict_input_model()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = R.dict_data(256)
+    egeria = loose()
+    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    assert egeria.summary()["reference_path"] == "tfmot"
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x, tmp_path)
+
+
+def test_int_ids_into_a_float_input_train_and_export(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = R.stock_transformer_lm(True, float_ids=True)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = R.token_data()
+    assert x.dtype == np.int32
+    egeria = loose()
+    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x, tmp_path)
+
+
+def test_unbuilt_subclassed_model_with_modules_trains_and_exports(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = R.SubclassedMLP()
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert not model.built
+    x, y = R.vector_data(256)
+    egeria = loose(modules=[["d1"], ["d2"], ["out"]])
+    watcher, caught = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    assert len([w for w in caught if "int8 weights" in str(w.message)]) == 1
+    s = egeria.summary()
+    assert s["num_modules"] == 3 and s["frozen_modules"] >= 1 and s["steps"] == 16
+    assert_frozen_unchanged(egeria, watcher)
+    assert_export_round_trip(model, x, tmp_path)
+
+
+def test_mixed_bfloat16_transformer_trains_and_freezes():
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = R.stock_transformer_lm(True)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = R.token_data()
+        egeria = loose()
+        watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert egeria.summary()["reference_path"] == "tfmot", egeria.summary()["reference_reason"]
+    assert_frozen_unchanged(egeria, watcher)
+
+
+# ------------------------------------------------------------- output
+
+
+def test_progress_logs_and_messages_agree(capsys, mnist1d_small):
+    from conftest import compile_model, small_resnet
+
+    seen = []
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(logs["frozen_modules"])
+
+    x, y, _, _ = mnist1d_small
+    egeria = loose(eval_every=4, verbose=1, max_frozen_fraction=0.5)
+    compile_model(small_resnet()).fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria, Logs()], verbose=0)
+    assert all(type(v) is int for v in seen) and max(seen) >= 1
+    out = capsys.readouterr().out
+    assert "\n\n" not in out
+    for event in egeria.events:
+        assert f"at step {event['step']} (epoch {event['epoch']})" in out

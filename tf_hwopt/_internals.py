@@ -1,0 +1,152 @@
+"""The one module that reaches into Keras, tf_keras/TFMOT and KerasTuner internals.
+
+Every use below is private API of another project. Each says why no public
+API serves and which versions it was checked on (Keras 3.15, TensorFlow and
+tf_keras 2.21, TFMOT 0.8.1, KerasTuner 1.4.8). When one of them changes,
+this file is the only place to look.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+
+# ----------------------------------------------------------------- Keras 3
+
+
+def is_functional(model) -> bool:
+    """Whether `model` is a Functional model (not Sequential, not subclassed).
+
+    Keras 3 exports no public `Functional` class; a Functional model is the
+    one that carries `_nodes_by_depth` (checked on Keras 3.15).
+    """
+    import keras
+
+    return hasattr(model, "_nodes_by_depth") and not isinstance(model, keras.Sequential)
+
+
+def ordered_nodes(model) -> list:
+    """A Functional model's layer calls (nodes) in topological order, inputs first.
+
+    No public API lists the call nodes of a Functional model; module
+    partitioning needs them to find cut points and to rebuild the graph as a
+    tf_keras model (Keras 3.15: `Functional._nodes_by_depth`,
+    `Model.operations`).
+    """
+    depth_keys = sorted(model._nodes_by_depth.keys(), reverse=True)
+    op_index = {id(op): i for i, op in enumerate(model.operations)}
+    nodes = []
+    for depth in depth_keys:
+        nodes.extend(sorted(model._nodes_by_depth[depth], key=lambda n: op_index.get(id(n.operation), 0)))
+    return nodes
+
+
+def all_layers(model) -> list:
+    """Every layer inside `model`, nested ones included, outermost first.
+
+    `model.layers` lists only the top level; a subclassed model's nested
+    layers (and explicit `modules=` naming them) need the recursive walk
+    Keras itself uses (Keras 3.15: `Layer._flatten_layers`).
+    """
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def auto_layer_name_pattern(layer) -> re.Pattern:
+    """The names Keras gives a layer of this class when the user gives none.
+
+    A name like `dense_3` carries no block structure; a name like
+    `block_3_expand` does. Keras derives default names from its (private)
+    `to_snake_case` helper plus a `_N` suffix (Keras 3.15:
+    `keras.src.utils.naming`).
+    """
+    from keras.src.utils import naming
+
+    return re.compile(re.escape(naming.to_snake_case(type(layer).__name__)) + r"(_\d+)?")
+
+
+def compile_config(model) -> dict | None:
+    """The arguments `model.compile` was called with, or None.
+
+    Re-compiling a model like the user did (e.g. a suffix model that trains
+    on cached activations) needs them; Keras keeps them only in a private
+    serialized config (Keras 3.15: `Model._compile_config`).
+    """
+    config = getattr(model, "_compile_config", None)
+    return None if config is None else config.config
+
+
+def fit_argument(model, name: str):
+    """Argument `name` (`"x"`, `"y"`, `"batch_size"`...) of the `fit` running `model`, or None.
+
+    Keras does not hand callbacks the training data; the running `fit` frame
+    has it. Only read, never changed (Keras 3.15: `Trainer.fit` locals).
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code.co_name == "fit" and frame.f_locals.get("self") is model:
+                value = frame.f_locals.get(name)
+                if value is not None:
+                    return value
+            frame = frame.f_back
+    finally:
+        del frame
+    return None
+
+
+# ------------------------------------------------------- tf_keras and TFMOT
+
+
+def tf_keras_node_output(model, layer):
+    """The output tensor of `layer`'s call *inside* `model` (a tf_keras model).
+
+    TFMOT's `quantize_apply` reuses some layer objects of the annotated model
+    (a BatchNormalization folded into the convolution before it, an
+    Embedding, a LayerNormalization), which then have two inbound nodes, one
+    per graph; `layer.output` is then ambiguous and reading it builds a
+    disconnected graph. The node that belongs to `model` is the one listed
+    in its `_network_nodes` (tf_keras 2.21, TFMOT 0.8.1).
+    """
+    nodes = layer._inbound_nodes
+    for i, node in enumerate(nodes):
+        if f"{layer.name}_ib-{i}" in model._network_nodes:
+            return node.outputs
+    raise ValueError(f"layer {layer.name!r} is not called inside model {model.name!r}")
+
+
+def tf_keras_producer(layer):
+    """The layer feeding `layer`'s first call (tf_keras 2.21: `_inbound_nodes`).
+
+    TFMOT's `QuantizeLayer` quantizes a tensor; calibration needs to know
+    which float tensor, and no public API names a layer's inbound layer.
+    """
+    producer = layer._inbound_nodes[0].inbound_layers
+    return producer[0] if isinstance(producer, list) else producer
+
+
+def tfmot_default_registry():
+    """TFMOT's default 8-bit quantize registry.
+
+    `quantize_model` applies it to whole models only; annotating layer by
+    layer (so that unsupported layers stay float instead of failing the whole
+    model) needs to ask it which layers it supports. Not exported
+    (TFMOT 0.8.1: `default_8bit.default_8bit_quantize_registry`).
+    """
+    from tensorflow_model_optimization.python.core.quantization.keras.default_8bit import (
+        default_8bit_quantize_registry as registry_lib,
+    )
+
+    return registry_lib.Default8BitQuantizeRegistry()
+
+
+def tf_keras_weight_quantizer_vars(layer) -> set:
+    """ids of a TFMOT wrapper's weight-quantizer range variables (TFMOT 0.8.1: `_weight_vars`).
+
+    Calibration sets activation ranges itself and must leave the weight
+    ranges, which TFMOT computes, alone; only this private list tells them apart.
+    """
+    ids = set()
+    for _, _, qvars in getattr(layer, "_weight_vars", []):
+        ids.update(id(v) for v in qvars.values())
+    return ids
