@@ -37,12 +37,11 @@ from tf_hwopt._quiet import import_tensorflow_quietly
 import_tensorflow_quietly()
 
 import keras  # noqa: E402
-from keras_tuner.src.distribute import utils as dist_utils  # noqa: E402
 
 from tf_hwopt.data import load_mnist1d  # noqa: E402
-from tf_hwopt.distribute import strategy_for  # noqa: E402
-from tf_hwopt.hardware import load_profile  # noqa: E402
-from tf_hwopt.search import HardwareSpace, LatencyAwareOracle, LatencyAwareTuner  # noqa: E402
+from tf_hwopt.hardware.distribute import strategy_for  # noqa: E402
+from tf_hwopt.hardware.profiles import load_profile  # noqa: E402
+from tf_hwopt.search import HardwareSpace, LatencyAwareOracle, LatencyAwareTuner, is_search_worker  # noqa: E402
 
 
 def make_hypermodel(profile, max_width: int, max_blocks: int, max_batch: int):
@@ -120,7 +119,7 @@ def main(argv=None) -> dict:
         overwrite=args.overwrite,
     )
     tuner.search(x, y, epochs=args.epochs, validation_data=(x_val, y_val), verbose=0)
-    if dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle():
+    if is_search_worker():
         return {"role": os.environ["KERASTUNER_TUNER_ID"]}  # a worker: the chief reports
     tuner.results_summary(num_trials=3)
     project = os.path.join(args.directory, args.project)
@@ -139,7 +138,7 @@ def main(argv=None) -> dict:
     if args.export and summary["trained"]:
         from tf_hwopt.export import export_best
 
-        summary["export"] = export_best(tuner, args.export, overwrite=True)
+        summary["export"] = export_best(tuner, args.export, overwrite=True).to_dict()
     print(json.dumps({k: v for k, v in summary.items() if k != "pareto_front"}, indent=2, default=str))
     return summary
 

@@ -19,7 +19,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tf_hwopt.data import load_mnist1d  # noqa: E402
-from tf_hwopt.egeria.multiworker import fit_multi_worker  # noqa: E402
+from tf_hwopt.training.multiworker import fit_multi_worker  # noqa: E402
 from tf_hwopt.models import resnet1d  # noqa: E402
 
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -32,7 +32,7 @@ with strategy.scope():
 freezer = tf_hwopt.EgeriaCallback(probe_size=32, eval_every=4, window=2, patience=1, tolerance=1e6,
                                   bootstrap_steps=0, max_frozen_fraction=0.5, verbose=0, asynchronous=False)
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-history = fit_multi_worker(model, x, y, loss=loss, epochs=2, global_batch_size=64, strategy=strategy, freezer=freezer)
+result = fit_multi_worker(model, x, y, epochs=2, batch_size=64, freezer=freezer, verbose=0, loss=loss, strategy=strategy)
 np.savez(os.path.join(out_dir, f"weights{index}.npz"), *[w.numpy() for w in model.weights])
 with open(os.path.join(out_dir, f"worker{index}.json"), "w") as f:
-    json.dump({k: history[k] for k in ("loss", "frozen_at_step", "gradient_tensors_at_step", "chief", "steps")}, f)
+    json.dump({"loss": result.history["loss"], **{k: result.details[k] for k in ("frozen_at_step", "gradient_tensors_at_step", "chief", "steps")}}, f)

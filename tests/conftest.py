@@ -123,9 +123,6 @@ def eager_freezing(**overrides):
         max_frozen_fraction=0.5,
         verbose=0,
         asynchronous=False,
-        # Mechanics tests freeze at the first evaluations, long before
-        # BatchNormalization statistics settle; the drift check has its own tests.
-        batch_norm_drift_limit=None,
     )
     config.update(overrides)
     return tf_hwopt.EgeriaCallback(**config)

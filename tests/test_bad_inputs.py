@@ -13,10 +13,11 @@ import tensorflow as tf
 import tf_hwopt
 from tf_hwopt.bench.freezing import run_freezing_benchmark
 from tf_hwopt.data import load_mnist1d, load_stdlib_chars
-from tf_hwopt.distribute import strategy_for
-from tf_hwopt.egeria import FreezeOutCallback, GradientNormFreezeCallback, fit_multi_worker, fit_with_cache
+from tf_hwopt.hardware.distribute import strategy_for
+from tf_hwopt.peers import FreezeOutCallback, GradientNormFreezeCallback
+from tf_hwopt.training import fit_multi_worker, fit_with_cache
 from tf_hwopt.export import export_saved_model
-from tf_hwopt.hardware import load_profile
+from tf_hwopt.hardware.profiles import load_profile
 from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner, time_step
 from conftest import SmallSubclassed, compile_model, small_resnet
 
@@ -59,7 +60,7 @@ CASES = [
     ("max_frozen_fraction", lambda m, f: tf_hwopt.EgeriaCallback(max_frozen_fraction=1.5), ValueError,
      "max_frozen_fraction"),
     ("freeze_start", lambda m, f: FreezeOutCallback(freeze_start=1.5), ValueError, "freeze_start"),
-    ("threshold", lambda m, f: GradientNormFreezeCallback(threshold=-1.0), ValueError, "threshold"),
+    ("tolerance", lambda m, f: GradientNormFreezeCallback(tolerance=-1.0), ValueError, "tolerance"),
     # Model kinds
     ("one module", lambda m, f: tf_hwopt.EgeriaCallback(modules=[["stem_conv"]]), ValueError, "at least 2 modules"),
     ("unknown layer", lambda m, f: _start(tf_hwopt.EgeriaCallback(X, probe_size=16, modules=[["nope"], ["head"]], verbose=0), m),
@@ -91,8 +92,8 @@ CASES = [
         "val_accuracy", max_trials=2)), ValueError, "LatencyAwareOracle"),
     # Strategy/driver mismatch
     ("multi-worker batch", lambda m, f: fit_multi_worker(m, X, Y, loss=keras.losses.MeanSquaredError(), epochs=1,
-                                                         global_batch_size=0, strategy=tf.distribute.get_strategy()),
-     ValueError, "global_batch_size"),
+                                                         batch_size=0, strategy=tf.distribute.get_strategy()),
+     ValueError, "batch_size"),
     # Corrupted state files and existing outputs
     ("corrupted Egeria state", lambda m, f: tf_hwopt.EgeriaCallback(backup_dir=str(f))._read_state(), ValueError,
      "corrupted"),

@@ -1,15 +1,16 @@
 """Forward skipping: cached prefix activations, the suffix trained on them, and when caching is refused."""
 
 import os
-import warnings
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_hwopt.egeria import FreezeOutCallback, fit_with_cache, partition_modules
-from tf_hwopt.egeria.cache import ActivationCache, cache_bytes, cut_model, epoch_order, random_augmentation_layers
+from tf_hwopt.freezing import partition_modules
+from tf_hwopt.peers import FreezeOutCallback
+from tf_hwopt.training import fit_with_cache
+from tf_hwopt.training.cache import ActivationCache, cache_bytes, cut_model, epoch_order, random_augmentation_layers
 from conftest import compile_model, small_resnet
 
 
@@ -158,13 +159,13 @@ def test_bad_arguments_are_named(kwargs, match, mnist1d_small):
 
 @pytest.mark.parametrize("in_memory", [True, False])
 def test_the_pipeline_gives_each_example_its_own_activation_in_epoch_order(in_memory):
-    from tf_hwopt.egeria.cache import _array_gather, _dataset, _numpy_gather
+    from tf_hwopt.training.cache import _array_gather, _numpy_gather, cached_dataset
 
     n, batch = 50, 16
     features = np.repeat(np.arange(n, dtype=np.float32)[:, None], 3, axis=1)  # row i holds i
     labels = np.arange(n, dtype=np.int32)
     source = _array_gather(features) if in_memory else _numpy_gather(lambda ids: features[ids])
-    batches = list(_dataset(n, range(2, 4), 7, batch, source, labels).as_numpy_iterator())
+    batches = list(cached_dataset(n, range(2, 4), 7, batch, source, labels).as_numpy_iterator())
     assert [len(b[1]) for b in batches] == [16, 16, 16, 2] * 2  # the short batch stays in its epoch
     for x, y in batches:
         np.testing.assert_array_equal(x[:, 0], y)  # keyed by example id

@@ -15,7 +15,6 @@ from conftest import (
     assert_frozen_bit_identical_and_rest_trained,
     compile_model,
     eager_freezing,
-    module_values,
     small_resnet,
 )
 

@@ -8,10 +8,9 @@ import sys
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
-from tf_hwopt.distribute import CountingCrossDeviceOps, gradient_aggregation
+from tf_hwopt.hardware.distribute import CountingCrossDeviceOps, gradient_aggregation
 from conftest import FreezeWatcher, assert_frozen_bit_identical_and_rest_trained, eager_freezing, small_resnet
 
 HERE = os.path.dirname(__file__)

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-import tf_hwopt
 from tf_hwopt.cli import main
-from tf_hwopt.export import METADATA_FILE, export_saved_model
+from tf_hwopt.export import export_saved_model
 from conftest import compile_model, eager_freezing, small_resnet
 
 

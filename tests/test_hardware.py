@@ -1,6 +1,6 @@
 import pytest
 
-from tf_hwopt.hardware import HardwareProfile, list_profiles, load_profile, roofline_ms
+from tf_hwopt.hardware.profiles import HardwareProfile, list_profiles, load_profile, roofline_ms
 
 EXPECTED = {"cpu", "gpu-a100", "gpu-h100", "gpu-h200", "tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e"}
 

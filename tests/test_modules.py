@@ -2,7 +2,7 @@ import keras
 import numpy as np
 import pytest
 
-from tf_hwopt.egeria import describe_modules, partition_modules
+from tf_hwopt.freezing import describe_modules, partition_modules
 from tf_hwopt.models import resnet1d
 from conftest import SmallSubclassed
 

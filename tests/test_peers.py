@@ -2,12 +2,13 @@
 
 import math
 
+import keras
 import numpy as np
 import pytest
 
 import tf_hwopt
 from conftest import FreezeWatcher, assert_frozen_bit_identical_and_rest_trained, compile_model, small_resnet
-from tf_hwopt.egeria import GradientNormPolicy, freezeout_schedule, gradient_norm_change_rate
+from tf_hwopt.peers import GradientNormPolicy, freezeout_schedule, gradient_norm_change_rate
 
 
 @pytest.mark.parametrize(
@@ -35,14 +36,14 @@ def test_gradient_norm_change_rate():
 
 
 def test_gradient_norm_policy_on_synthetic_series():
-    policy = GradientNormPolicy(4, threshold=0.05, patience=2, bootstrap_steps=300, max_frozen_fraction=1.0)
+    policy = GradientNormPolicy(4, tolerance=0.05, patience=2, bootstrap_steps=300, max_frozen_fraction=1.0)
     decisions = []
     for i in range(40):
         m0 = 1.0 + 2.0 * math.exp(-i / 2)  # settles quickly
         m1 = 1.0 + 2.0 * math.exp(-i / 8)  # settles later
         m2 = 1.0 + (i % 2)  # oscillates by 100%: never calm
         d = policy.observe(100 * i, [m0, m1, m2, 1.0])
-        decisions += [(100 * i, k) for k in d]
+        decisions += [(100 * i, k) for k in d.freeze]
     assert [k for _, k in decisions] == [0, 1]
     step0, step1 = decisions[0][0], decisions[1][0]
     assert step0 >= 300 and step1 > step0
@@ -51,11 +52,11 @@ def test_gradient_norm_policy_on_synthetic_series():
 
 
 def test_gradient_norm_policy_never_freezes_noisy_or_nan():
-    policy = GradientNormPolicy(3, threshold=0.05, patience=1)
+    policy = GradientNormPolicy(3, tolerance=0.05, patience=1)
     rng = np.random.RandomState(0)
     for i in range(50):
-        assert policy.observe(i, [1.0 + rng.uniform(0.2, 1.0) * (-1) ** i, 1.0, 1.0]) == ()
-        assert policy.observe(i, [math.nan, 1.0, 1.0]) == ()
+        assert policy.observe(i, [1.0 + rng.uniform(0.2, 1.0) * (-1) ** i, 1.0, 1.0]).freeze == ()
+        assert policy.observe(i, [math.nan, 1.0, 1.0]).freeze == ()
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,7 @@ def test_gradient_norm_policy_never_freezes_noisy_or_nan():
     [
         (tf_hwopt.FreezeOutCallback, dict(freeze_start=1.5), "freeze_start"),
         (tf_hwopt.FreezeOutCallback, dict(freeze_level=0), "freeze_level"),
-        (tf_hwopt.GradientNormFreezeCallback, dict(threshold=0), "threshold"),
+        (tf_hwopt.GradientNormFreezeCallback, dict(tolerance=0), "tolerance"),
         (tf_hwopt.GradientNormFreezeCallback, dict(patience=0), "patience"),
         (tf_hwopt.GradientNormFreezeCallback, dict(eval_every=-1), "eval_every"),
     ],
@@ -90,7 +91,7 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     cb = tf_hwopt.GradientNormFreezeCallback(
-        batch_size=64, eval_every=4, threshold=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0
+        probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0
     )
     watcher = FreezeWatcher(cb)
     model.fit(x[:320], y[:320], batch_size=32, epochs=3, callbacks=[cb, watcher], verbose=0)
@@ -101,3 +102,56 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     after = [h for h in cb.history if h["frozen"] >= 1 and h["step"] > cb.events[0]["step"]]
     assert after and all(h["grad_norms"][0] == 0.0 for h in after)
     assert_frozen_bit_identical_and_rest_trained(cb, watcher)
+
+
+class _CrashAfterFirstFreeze(keras.callbacks.Callback):
+    def __init__(self, freezer):
+        super().__init__()
+        self.freezer = freezer
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.freezer.events:
+            raise RuntimeError("simulated preemption")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda backup: tf_hwopt.FreezeOutCallback(freeze_start=0.2, freeze_level=1.0, backup_dir=backup, verbose=0),
+        lambda backup: tf_hwopt.GradientNormFreezeCallback(
+            probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5,
+            backup_dir=backup, verbose=0,
+        ),
+    ],
+    ids=["FreezeOut", "gradient-norm"],
+)
+def test_peers_resume_after_an_interruption_with_their_state(make, mnist1d_small, tmp_path):
+    x, y, _, _ = mnist1d_small
+    backup = str(tmp_path / "backup")
+    first = make(backup)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        compile_model(small_resnet(seed=5)).fit(x[:320], y[:320], batch_size=32, epochs=6, callbacks=[
+            first, keras.callbacks.BackupAndRestore(backup), _CrashAfterFirstFreeze(first)], verbose=0)
+    state_at_crash = first.policy.get_state()
+    events_at_crash = list(first.events)
+    assert state_at_crash["num_frozen"] >= 1
+    frozen_weights = [v.numpy().copy() for layer in first.modules[0].layers for v in layer.weights]
+
+    # A new process: a fresh model object and a fresh callback.
+    second = make(backup)
+
+    class Check(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if not hasattr(self, "epoch"):
+                self.epoch, self.state = epoch, second.policy.get_state()
+                self.trainable = [layer.trainable for layer in second.modules[0].layers]
+
+    check = Check()
+    compile_model(small_resnet(seed=99)).fit(x[:320], y[:320], batch_size=32, epochs=6, callbacks=[
+        second, keras.callbacks.BackupAndRestore(backup), check], verbose=0)
+    assert check.epoch >= 1
+    assert check.state == state_at_crash
+    assert second.events[: len(events_at_crash)] == events_at_crash
+    assert check.trainable == [False] * len(check.trainable)
+    after = [v.numpy() for layer in second.modules[0].layers for v in layer.weights]
+    assert all(np.array_equal(a, b) for a, b in zip(frozen_weights, after))

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import keras
 import numpy as np
 import pytest
 

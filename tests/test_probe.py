@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_hwopt.egeria import draw_probe
+from tf_hwopt.freezing import draw_probe
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import pytest
 import tensorflow as tf
 
 import tf_hwopt
-from tf_hwopt.egeria import ActivationReader, Reference, partition_modules
+from tf_hwopt.egeria import Reference
+from tf_hwopt.freezing import ActivationReader, partition_modules
 from tf_hwopt.egeria import reference as reference_module
 
 import _real_models as R
@@ -30,7 +31,7 @@ REFERENCE_REL_ERROR = 0.15
 def loose(**overrides):
     """Settings that freeze within a few evaluations."""
     config = dict(probe_size=16, eval_every=2, window=2, patience=1, tolerance=1e6, bootstrap_steps=0,
-                  asynchronous=False, verbose=0, batch_norm_drift_limit=None)
+                  asynchronous=False, verbose=0)
     config.update(overrides)
     return tf_hwopt.EgeriaCallback(**config)
 
@@ -67,6 +68,7 @@ def assert_export_round_trip(model, sample, tmp_path):
 
 
 def reference_errors(model, x, mode="auto"):
+    """A fresh reference of `model` and each module's relative error against the float model."""
     mods = partition_modules(model, count_flops=False)
     layers = [m.output_layer for m in mods]
     ref = Reference(model, layers, x, asynchronous=False, mode=mode)
@@ -141,12 +143,11 @@ def test_weightless_front_layers_join_their_neighbour():
 @pytest.mark.parametrize(
     "build, data",
     [
-        (R.mobilenet_v2, lambda: R.image_data(32)[0]),
         (lambda: R.stock_transformer_lm(False), lambda: R.token_data(32)[0]),
         (lambda: R.stock_transformer_lm(True), lambda: R.token_data(32)[0]),
         (R.dict_input_model, lambda: R.dict_data(32)[0]),
     ],
-    ids=["MobileNetV2", "post-LN", "pre-LN", "dict"],
+    ids=["post-LN", "pre-LN", "dict"],  # MobileNetV2: in its training test below
 )
 def test_reference_is_built_through_tfmot_and_is_faithful(build, data):
     keras.utils.set_random_seed(0)
@@ -244,6 +245,14 @@ def test_mobilenet_v2_on_tf_data_freezes_and_exports(tmp_path):
     assert s["reference_path"] == "tfmot" and s["frozen_modules"] >= 1, s
     assert_frozen_unchanged(egeria, watcher)
     assert_export_round_trip(model, x[:8], tmp_path)
+    # The reference, refreshed from the trained weights, against the float model.
+    egeria.reference.submit_refresh(model)
+    layers = [m.output_layer for m in egeria.modules]
+    errors = [
+        float(np.linalg.norm(f - r) / max(np.linalg.norm(f), 1e-12))
+        for f, r in zip(ActivationReader(model, layers)(egeria.probe), egeria.reference.activations())
+    ]
+    assert max(errors) <= REFERENCE_REL_ERROR, errors
 
 
 @pytest.mark.parametrize("pre_ln", [False, True], ids=["post-LN", "pre-LN"])
@@ -333,20 +342,17 @@ def test_mixed_bfloat16_transformer_trains_and_freezes():
 # ------------------------------------------------------------- output
 
 
-def test_progress_logs_and_messages_agree(capsys, mnist1d_small):
+def test_progress_bar_and_messages_agree(capsys, mnist1d_small):
     from conftest import compile_model, small_resnet
-
-    seen = []
-
-    class Logs(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            seen.append(logs["frozen_modules"])
 
     x, y, _, _ = mnist1d_small
     egeria = loose(eval_every=4, verbose=1, max_frozen_fraction=0.5)
-    compile_model(small_resnet()).fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria, Logs()], verbose=0)
-    assert all(type(v) is int for v in seen) and max(seen) >= 1
+    history = compile_model(small_resnet()).fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria],
+                                                verbose=2)
     out = capsys.readouterr().out
+    assert egeria.num_frozen == 2 and history.history["frozen_modules"] == [2, 2]
+    # The progress line shows a count, not 2.0000 or 2.0000e+00.
+    assert re.search(r"frozen_modules: 2\s*$", out, re.M), out
     assert "\n\n" not in out
     for event in egeria.events:
         assert f"at step {event['step']} (epoch {event['epoch']})" in out
@@ -356,7 +362,7 @@ def test_progress_logs_and_messages_agree(capsys, mnist1d_small):
 
 
 def test_batch_norm_drift_is_zero_for_matching_statistics_and_grows_with_mismatch():
-    from tf_hwopt.egeria.freezing_callback import batch_norm_drift
+    from tf_hwopt.freezing import batch_norm_drift
 
     rng = np.random.RandomState(0)
     x = rng.normal(3.0, 2.0, (256, 5, 4))
@@ -374,17 +380,25 @@ def test_batch_norm_drift_is_zero_for_matching_statistics_and_grows_with_mismatc
 def test_aggressive_freezing_does_not_collapse_a_batch_norm_network(mnist1d_small):
     """Frozen at the first evaluations, a BatchNormalization network switches to
     moving statistics that have not converged and its training accuracy falls;
-    the drift check defers those freezes."""
+    refreshing them from the probe batch before the freeze keeps it training."""
     from conftest import compile_model, small_resnet
+    from tf_hwopt.freezing import batch_norm_drift
 
     x, y, _, _ = mnist1d_small
     final = {}
-    for limit in (None, 0.25):
-        egeria = loose(probe_size=64, eval_every=4, max_frozen_fraction=0.8, batch_norm_drift_limit=limit)
-        history = compile_model(small_resnet()).fit(x, y, batch_size=64, epochs=3, callbacks=[egeria], verbose=0)
-        final[limit] = (history.history["accuracy"][-1], egeria.summary())
-    (collapsed, unchecked), (kept, checked) = final[None], final[0.25]
-    assert unchecked["frozen_modules"] >= 3 and checked["freezes_deferred"] > 0
-    # Measured: 0.22 without the check (0.38 at epoch 1, before freezing took hold), 0.77 with it.
-    assert kept >= collapsed + 0.3, (kept, collapsed)
-    assert all(e["kind"] != "freeze" or e["step"] > 0 for e in checked["events"])
+    for refresh in (False, True):
+        egeria = loose(probe_size=256, eval_every=4, max_frozen_fraction=0.8, refresh_batch_norm=refresh)
+        model = compile_model(small_resnet())
+        history = model.fit(x, y, batch_size=64, epochs=3, callbacks=[egeria], verbose=0)
+        final[refresh] = (history.history["accuracy"][-1], egeria, model)
+    (collapsed, unrefreshed, _), (kept, refreshed, model) = final[False], final[True]
+    assert unrefreshed.summary()["frozen_modules"] >= 3 and refreshed.summary()["frozen_modules"] >= 3
+    # The drift each refresh removed is recorded, and it was large this early.
+    drifts = [e["batch_norm_drift"] for e in refreshed.events if e["kind"] == "freeze"]
+    assert drifts and max(drifts) > 0.3
+    # Measured: 0.22 without the refresh, 0.53 with it (0.77 when nothing freezes).
+    assert kept >= collapsed + 0.2, (kept, collapsed)
+    # The frozen stem's statistics now describe its input on the probe.
+    stem_bn = [layer for layer in refreshed.modules[0].layers if isinstance(layer, keras.layers.BatchNormalization)][0]
+    stem_in = ActivationReader(model, [stem_bn], capture="inputs")(refreshed.probe)[0]
+    assert batch_norm_drift(stem_in, stem_bn.moving_mean.numpy(), stem_bn.moving_variance.numpy()) < 0.05

@@ -2,7 +2,8 @@ import keras
 import numpy as np
 import pytest
 
-from tf_hwopt.egeria import ActivationReader, Reference, partition_modules, quantize_int8_per_channel, sp_loss
+from tf_hwopt.egeria import Reference, quantize_int8_per_channel, sp_loss
+from tf_hwopt.freezing import ActivationReader, partition_modules
 from tf_hwopt.models import resnet1d
 from conftest import SmallSubclassed
 

@@ -6,10 +6,8 @@ import socket
 import subprocess
 import sys
 
-import keras
 import keras_tuner
 import numpy as np
-import pytest
 import tensorflow as tf
 
 from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner, estimate_step

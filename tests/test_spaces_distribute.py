@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_hwopt.distribute import strategy_for
+from tf_hwopt.hardware.distribute import strategy_for
 from tf_hwopt.search import HardwareSpace, aligned_range, load_space, power_of_two_multiples
-from tf_hwopt.hardware import load_profile
+from tf_hwopt.hardware.profiles import load_profile
 
 
 def test_aligned_helpers():

@@ -150,3 +150,30 @@ def tf_keras_weight_quantizer_vars(layer) -> set:
     for _, _, qvars in getattr(layer, "_weight_vars", []):
         ids.update(id(v) for v in qvars.values())
     return ids
+
+
+# --------------------------------------------------------------- KerasTuner
+
+
+def metrics_dict(histories, objective) -> dict:
+    """The metrics dict KerasTuner makes of what `run_trial` returns.
+
+    A tuner that adds its own metrics (the step time) to a trial's results
+    must first turn the fit histories into KerasTuner's dict exactly as
+    `Tuner.run_trial`'s caller would; the helper doing it is private
+    (KerasTuner 1.4.8: `keras_tuner.src.engine.tuner_utils.convert_to_metrics_dict`).
+    """
+    from keras_tuner.src.engine import tuner_utils
+
+    return tuner_utils.convert_to_metrics_dict(histories, objective)
+
+
+def kerastuner_is_worker() -> bool:
+    """Whether this process is a worker (not the chief) of KerasTuner's distributed mode.
+
+    KerasTuner reads the `KERASTUNER_*` environment in a private helper and
+    exports no public test (KerasTuner 1.4.8: `keras_tuner.src.distribute.utils`).
+    """
+    from keras_tuner.src.distribute import utils as dist_utils
+
+    return dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle()

@@ -1,10 +1,11 @@
-"""Atomic file writes: a reader (or a restart after a kill) never sees half a file."""
+"""Output: atomic file writes (a reader, or a restart after a kill, never sees half a file) and progress lines."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from typing import Callable
 
 
 def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -> None:
@@ -27,3 +28,8 @@ def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def printer(verbose) -> Callable:
+    """`print` when `verbose`, else a function that prints nothing (progress lines of long runs)."""
+    return print if verbose else (lambda *args, **kwargs: None)

@@ -23,11 +23,7 @@ import os
 import uuid
 
 from tf_hwopt._io import write_json_atomic
-from tf_hwopt._quiet import import_tensorflow_quietly
-
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
+import keras
 
 POINTER = "checkpoint.json"
 

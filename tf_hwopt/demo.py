@@ -13,106 +13,14 @@ to read the saving from when wall-time ratios disagree between runs.
 from __future__ import annotations
 
 import os
-import time
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tf_hwopt._io import write_json_atomic  # noqa: E402
-from tf_hwopt.data import load_mnist1d  # noqa: E402
-from tf_hwopt.egeria.callback import EgeriaCallback  # noqa: E402
-from tf_hwopt.models import resnet1d  # noqa: E402
-
-
-class EpochClock(keras.callbacks.Callback):
-    """Records wall and process CPU time at each epoch end, from train begin,
-    and the epoch's validation logs.
-
-    Example:
-    >>> clock = EpochClock()
-    >>> model.fit(x, y, epochs=3, validation_data=(x_val, y_val), callbacks=[clock])
-    >>> clock.wall  # cumulative seconds at the end of epochs 1, 2, 3
-    >>> clock.val["val_loss"]  # one value per epoch
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._wall0 = None
-
-    def on_train_begin(self, logs=None):
-        # Started once: a run made of several fits (one per phase) has one clock.
-        if self._wall0 is None:
-            self.wall, self.cpu, self.val = [], [], {}
-            self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.wall.append(time.perf_counter() - self._wall0)
-        self.cpu.append(time.process_time() - self._cpu0)
-        for key, value in (logs or {}).items():
-            if key.startswith("val_"):
-                self.val.setdefault(key, []).append(float(value))
-
-    @property
-    def val_accuracy(self) -> list:
-        return self.val.get("val_accuracy", [])
-
-
-def compiled_model(build_model, num_examples: int, *, epochs: int, batch_size: int, loss, metrics=(),
-                   learning_rate: float = 2e-3, seed: int = 0):
-    """A model from `build_model()` under `seed`, compiled with Adam and a cosine
-    decay over `epochs` of `num_examples` (the recipe every compared run shares)."""
-    keras.utils.set_random_seed(seed)
-    model = build_model()
-    steps = epochs * int(np.ceil(num_examples / batch_size))
-    model.compile(
-        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(learning_rate, steps)),
-        loss=loss,
-        metrics=list(metrics),
-    )
-    return model
-
-
-def train_timed(
-    build_model,
-    data,
-    *,
-    epochs: int,
-    batch_size: int,
-    loss,
-    metrics=(),
-    learning_rate: float = 2e-3,
-    seed: int = 0,
-    callbacks=(),
-    verbose: int = 0,
-):
-    """Builds, compiles and fits a model under a fixed seed and LR schedule.
-
-    Every run of a comparison goes through here, so that runs differ only by
-    their callbacks: `keras.utils.set_random_seed(seed)` before building
-    (same initial weights, same shuffling order), Adam with a cosine decay
-    over the whole run, validation at each epoch end.
-
-    Returns:
-        `(model, clock)`, with the `EpochClock` of the run.
-    """
-    (x, y), validation = data
-    model = compiled_model(build_model, len(y), epochs=epochs, batch_size=batch_size, loss=loss, metrics=metrics,
-                           learning_rate=learning_rate, seed=seed)
-    clock = EpochClock()
-    model.fit(
-        x,
-        y,
-        batch_size=batch_size,
-        epochs=epochs,
-        validation_data=validation,
-        callbacks=list(callbacks) + [clock],
-        verbose=verbose,
-    )
-    return model, clock
+from tf_hwopt._io import printer, write_json_atomic
+from tf_hwopt.bench.harness import train_timed
+from tf_hwopt.data import load_mnist1d
+from tf_hwopt.egeria.callback import EgeriaCallback
+from tf_hwopt.models import resnet1d
 
 
 def train_mnist1d(
@@ -162,7 +70,7 @@ def run_demo(
     >>> results = run_demo(epochs=10)
     >>> results["speedup_wall"]
     """
-    say = print if verbose else (lambda *a, **k: None)
+    say = printer(verbose)
     say(f"Regenerating MNIST-1D offline ({num_samples} examples)...", flush=True)
     data = load_mnist1d(num_samples)
     (x, _), (x_test, _) = data
@@ -235,10 +143,9 @@ def format_table(results: dict) -> str:
 
 
 def _plot(results, egeria, path):
-    import matplotlib
+    from tf_hwopt._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from tf_hwopt.egeria.plot import draw_plasticity
 

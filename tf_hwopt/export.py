@@ -35,8 +35,8 @@ from tf_hwopt._quiet import _stderr_silenced, import_tensorflow_quietly
 
 import_tensorflow_quietly()
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
 METADATA_FILE = "tf_hwopt.json"
 
@@ -53,6 +53,7 @@ class ExportResult:
         saved_model_bytes: size of the SavedModel folder.
         tflite: for `int8_tflite`, its path, size, and (with `eval_data`)
             float and int8 accuracy and their difference in points.
+        metadata: what was stored in `path/tf_hwopt.json`, if anything.
     """
 
     path: str
@@ -61,6 +62,7 @@ class ExportResult:
     max_abs_diff: float
     saved_model_bytes: int
     tflite: dict | None = None
+    metadata: dict | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -81,7 +83,9 @@ def _input_signature(model: keras.Model, sample) -> tuple:
     try:
         structure = model.input
     except (AttributeError, ValueError):
-        structure = None
+        # A Sequential model never called has `inputs` but no `input` yet.
+        inputs = getattr(model, "inputs", None)
+        structure = (inputs[0] if len(inputs) == 1 else list(inputs)) if inputs else None
     if structure is not None:
         tensors = keras.tree.flatten(structure)
         names = [t.name.split(":")[0] for t in tensors]
@@ -239,6 +243,7 @@ def export_saved_model(
         max_abs_diff=diff,
         saved_model_bytes=_folder_bytes(path),
         tflite=tflite,
+        metadata=metadata,
     )
 
 
@@ -346,7 +351,7 @@ def tflite_predict(tflite_path: str, x: Sequence | np.ndarray) -> np.ndarray:
     return np.concatenate(results)
 
 
-def export_best(tuner, path: str, *, overwrite: bool = False, sample=None) -> dict:
+def export_best(tuner, path: str, *, overwrite: bool = False, sample=None) -> ExportResult:
     """Exports the best in-budget model of a `LatencyAwareTuner`, retrain-free.
 
     Loads the best completed trial whose step time fits the budget (its
@@ -356,7 +361,7 @@ def export_best(tuner, path: str, *, overwrite: bool = False, sample=None) -> di
     `path/tf_hwopt.json`.
 
     Returns:
-        The metadata written, plus the `ExportResult` as `"export"`.
+        The `ExportResult`; its `metadata` holds what was written beside the model.
 
     Example:
     >>> tuner.search(x, y, epochs=3, validation_data=(x_val, y_val))
@@ -385,5 +390,4 @@ def export_best(tuner, path: str, *, overwrite: bool = False, sample=None) -> di
         "budget_ms": budget,
         "profile": tuner.profile.name,
     }
-    result = export_saved_model(model, path, overwrite=overwrite, sample=sample, metadata=metadata)
-    return {**metadata, "export": result.to_dict()}
+    return export_saved_model(model, path, overwrite=overwrite, sample=sample, metadata=metadata)

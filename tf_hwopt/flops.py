@@ -13,19 +13,16 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
+from tf_hwopt import _internals
 from tf_hwopt._layer_hooks import hooked_calls
-from tf_hwopt._quiet import import_tensorflow_quietly
-
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
 _MARK = "hwoptlayer"
 _MARK_RE = re.compile(rf"^{_MARK}(\d+)(_\d+)?$")
 
 
-def _graph_float_ops(graph) -> dict[str, int]:
+def graph_float_ops(graph) -> dict[str, int]:
     from tensorflow.python.profiler import model_analyzer, option_builder
 
     options = (
@@ -67,7 +64,9 @@ def forward_flops_by_layer(
     >>> flops = forward_flops_by_layer(model, [l.name for l in model.layers])
     """
     names = list(dict.fromkeys(layer_names))
-    by_name = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
+    by_name = {}
+    for layer in _internals.all_layers(model):
+        by_name.setdefault(layer.name, layer)
     layers = [by_name[name] for name in names]
     specs = _batch_one_specs(model, sample_input)
 
@@ -84,7 +83,7 @@ def forward_flops_by_layer(
     with hooked_calls(layers, scoped):
         graph = fn.get_concrete_function(*specs).graph
     counts = {name: 0.0 for name in names}
-    for op_name, value in _graph_float_ops(graph).items():
+    for op_name, value in graph_float_ops(graph).items():
         # The outermost marker on the path owns the op (nested layers count
         # inside the layer that contains them).
         for part in op_name.split("/"):

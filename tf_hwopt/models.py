@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from tf_hwopt._quiet import import_tensorflow_quietly
-
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
+import keras
 
 
 def _residual_block(x, filters: int, stride: int, name: str, kernel_size: int = 3, conv=None):

@@ -23,14 +23,15 @@ from typing import Sequence
 
 import numpy as np
 
-from tf_hwopt._io import write_json_atomic
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt._io import printer, write_json_atomic
 from tf_hwopt.bench.throughput import resnet20_throughput
 from tf_hwopt.bench.workloads import PROFILES, WORKLOADS, Workload
-from tf_hwopt.demo import EpochClock, compiled_model, train_timed
-from tf_hwopt.egeria.cache import fit_with_cache
+from tf_hwopt.bench.harness import EpochClock, compiled_model, train_timed
+from tf_hwopt.training.cache import fit_with_cache
 from tf_hwopt.egeria.callback import EgeriaCallback
-from tf_hwopt.egeria.freezeout import FreezeOutCallback
-from tf_hwopt.egeria.gradnorm import GradientNormFreezeCallback
+from tf_hwopt.peers.freezeout import FreezeOutCallback
+from tf_hwopt.peers.gradnorm import GradientNormFreezeCallback
 
 STRATEGIES = {
     "no_freeze": lambda: None,
@@ -212,8 +213,7 @@ def _event_wall(step: int, steps_per_epoch: int, wall: Sequence[float]) -> float
 def _check_arguments(profile, seeds, workloads, strategies):
     if profile not in PROFILES:
         raise ValueError(f"`profile` must be one of {PROFILES}. Received: profile={profile!r}")
-    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
-        raise ValueError(f"`seeds` must be a positive integer. Received: seeds={seeds!r}")
+    check_positive_int("seeds", seeds)
     for name, given, known in (("workloads", workloads, WORKLOADS), ("strategies", strategies, STRATEGIES)):
         unknown = [w for w in given if w not in known]
         if unknown or not given:
@@ -261,7 +261,7 @@ def run_freezing_benchmark(
     _check_arguments(profile, seeds, workloads, strategies)
     if out_dir is None and json_path:
         out_dir = os.path.dirname(os.path.abspath(json_path))
-    say = print if verbose else (lambda *a, **k: None)
+    say = printer(verbose)
     started = time.perf_counter()
     results = {"profile": profile, "seeds": seeds, "workloads": {}}
     for name in workloads:
@@ -363,10 +363,9 @@ def format_markdown(results: dict) -> str:
 
 def plot_workload(results: dict, name: str, path: str) -> None:
     """Metric against wall time, one line per strategy (first seed), freezes marked."""
-    import matplotlib
+    from tf_hwopt._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     w = results["workloads"][name]
     scale = 100.0 if w["metric"] == "accuracy" else 1.0

@@ -23,7 +23,6 @@ times over a grid of candidates.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -31,21 +30,18 @@ from typing import Sequence
 
 import numpy as np
 
-from tf_hwopt._io import write_json_atomic
-from tf_hwopt._quiet import import_tensorflow_quietly
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt._io import printer, write_json_atomic
+import keras
+import keras_tuner
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import keras_tuner  # noqa: E402
-
-from tf_hwopt.data import load_mnist1d  # noqa: E402
-from tf_hwopt.hardware import load_profile  # noqa: E402
-from tf_hwopt.models import resnet1d  # noqa: E402
-from tf_hwopt.search.oracle import LatencyAwareOracle  # noqa: E402
-from tf_hwopt.search.spaces import HardwareSpace  # noqa: E402
-from tf_hwopt.search.timing import estimate_step, time_step  # noqa: E402
-from tf_hwopt.search.tuner import LatencyAwareTuner  # noqa: E402
+from tf_hwopt.data import load_mnist1d
+from tf_hwopt.hardware.profiles import load_profile
+from tf_hwopt.models import resnet1d
+from tf_hwopt.search.oracle import LatencyAwareOracle
+from tf_hwopt.search.spaces import HardwareSpace
+from tf_hwopt.search.timing import estimate_step, time_step
+from tf_hwopt.search.tuner import LatencyAwareTuner
 
 WIDTHS = (16, 32, 64, 128, 192, 256)
 MAX_BLOCKS = 4
@@ -172,10 +168,9 @@ def run_search_benchmark(
         `{"budget_ms", "searches": {name: {"best_in_budget", "wall_time_s",
         "trained_trials", ...}}, "speedup_vs": {...}, "timing": {"cv", "spearman", ...}}`.
     """
-    say = print if verbose else (lambda *a, **k: None)
+    say = printer(verbose)
     for name, value in (("max_trials", max_trials), ("epochs", epochs), ("samples", samples)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+        check_positive_int(name, value)
     if not 0.0 < budget_quantile < 0.5 + 1e-9:
         raise ValueError(f"`budget_quantile` must be in (0, 0.5]. Received: {budget_quantile!r}")
     started = time.perf_counter()

@@ -11,16 +11,12 @@ from typing import Sequence
 
 import numpy as np
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
+import tensorflow as tf
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
-from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
-from tf_hwopt.search.timing import time_step  # noqa: E402
+from tf_hwopt.freezing.engine import FreezingEngine
+from tf_hwopt.freezing.modules import partition_modules
+from tf_hwopt.search.timing import time_step
 
 
 def analytic_floor_fraction(module_flops: Sequence[float], k: int) -> float:
@@ -122,7 +118,7 @@ def caching_throughput(model: keras.Model, x, y, *, batch_size: int, steps: int,
     Returns:
         Rows `{"k", "cached_step_ms", "suffix_alone_step_ms", "ratio"}`.
     """
-    from tf_hwopt.egeria.cache import ActivationCache, _compile_like, _dataset, cut_model
+    from tf_hwopt.training.cache import ActivationCache, cached_dataset, compile_like, cut_model
 
     modules = partition_modules(model)
     ks = list(range(1, len(modules) - 1 + 1)) if ks is None else list(ks)
@@ -133,8 +129,8 @@ def caching_throughput(model: keras.Model, x, y, *, batch_size: int, steps: int,
             cache = ActivationCache(model, modules, x)
             cache.set_level(k)
             suffix = cut_model(model, modules, k, len(modules))
-            _compile_like(suffix, model)
-            cached = _dataset(len(x), range(100), 0, batch_size, cache.gather, y).repeat()
+            compile_like(suffix, model)
+            cached = cached_dataset(len(x), range(100), 0, batch_size, cache.gather, y).repeat()
             batch = (cache.lookup(np.arange(batch_size)), y[:batch_size])
             alone = tf.data.Dataset.from_tensors(batch).repeat()
             # Alternate the two, three times each, and keep the medians: a

@@ -12,14 +12,10 @@ import dataclasses
 import math
 from typing import Callable
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-
-from tf_hwopt.data import load_mnist1d, load_stdlib_chars  # noqa: E402
-from tf_hwopt.models import char_transformer, resnet1d  # noqa: E402
+from tf_hwopt.data import load_mnist1d, load_stdlib_chars
+from tf_hwopt.models import char_transformer, resnet1d
 
 PROFILES = ("quick", "full")
 

@@ -1,24 +1,30 @@
 """Egeria: knowledge-guided layer freezing for Keras (EuroSys 2023).
 
-The parts, in the order data flows through them: `modules` (partition into
-front-to-back modules), `reference` (int8 reference model via TFMOT),
-`plasticity` (SP loss on a probe batch), `policy` (the freeze decision),
-`freezing` (the engine that freezes and rebuilds the train function) and
-`callback` (`EgeriaCallback`, which ties them into `model.fit`). `cache`
-(`fit_with_cache`) skips the frozen prefix's forward pass too;
-`multiworker` (`fit_multi_worker`) trains on several hosts. `freezeout` and
-`gradnorm` are the peer policies, on the same engine.
+The Egeria-specific parts, in the order data flows through them:
+`reference` (the int8 reference model, through TFMOT), `plasticity` (the SP
+loss), `policy` (the freeze decision), `callback` (`EgeriaCallback`) and
+`plot`. The module partition, the engine and the base callback are the
+freezing core (`tf_hwopt.freezing`); the drivers are in `tf_hwopt.training`.
+The names of those re-exported here are kept for code written against
+earlier versions.
 """
 
-from tf_hwopt.egeria.cache import ActivationCache, fit_with_cache
 from tf_hwopt.egeria.callback import EgeriaCallback
-from tf_hwopt.egeria.freezing import FreezingEngine
-from tf_hwopt.egeria.freezing_callback import FreezingCallback
-from tf_hwopt.egeria.freezeout import FreezeOutCallback, freezeout_schedule
-from tf_hwopt.egeria.gradnorm import GradientNormFreezeCallback, GradientNormPolicy, gradient_norm_change_rate
-from tf_hwopt.egeria.multiworker import fit_multi_worker
-from tf_hwopt.egeria.modules import Module, describe_modules, partition_modules
-from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, module_plasticity, sp_loss
+from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.plot import plot
-from tf_hwopt.egeria.policy import Decision, EgeriaPolicy, relative_slope
-from tf_hwopt.egeria.reference import Reference, quantize_int8_per_channel
+from tf_hwopt.egeria.policy import EgeriaPolicy, relative_slope
+from tf_hwopt.egeria.reference import Reference, ReferenceUnavailable, quantize_int8_per_channel
+
+# Kept importable from here (they moved to the freezing core, the peers and the drivers).
+from tf_hwopt.freezing import (  # noqa: F401
+    ActivationReader,
+    Decision,
+    FreezingCallback,
+    FreezingEngine,
+    Module,
+    describe_modules,
+    draw_probe,
+    partition_modules,
+)
+from tf_hwopt.peers import FreezeOutCallback, GradientNormFreezeCallback  # noqa: F401
+from tf_hwopt.training import ActivationCache, fit_multi_worker, fit_with_cache  # noqa: F401

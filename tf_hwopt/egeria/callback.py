@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import warnings
-from typing import Sequence
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import numpy as np
+import tensorflow as tf
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_hwopt._io import write_json_atomic  # noqa: E402
-from tf_hwopt.egeria.freezing_callback import BATCH_NORM_DRIFT_LIMIT, FreezingCallback, fit_argument, timed  # noqa: E402
-from tf_hwopt.egeria.plasticity import ActivationReader, draw_probe, sp_loss  # noqa: E402
-from tf_hwopt.egeria.policy import EgeriaPolicy, check_positive_int  # noqa: E402
-from tf_hwopt.egeria.reference import REFERENCE_MODES, TFMOT_PATH, Reference, ReferenceUnavailable  # noqa: E402
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt.egeria.plasticity import sp_loss
+from tf_hwopt.egeria.policy import EgeriaPolicy
+from tf_hwopt.egeria.reference import REFERENCE_MODES, TFMOT_PATH, Reference, ReferenceUnavailable
+from tf_hwopt.freezing.callback import FreezingCallback
+from tf_hwopt.freezing.probe import ActivationReader
 
 STATE_FILE = "egeria_state.json"
-_STATE_VERSION = 1
-_KEPT_SNAPSHOTS = 3
 
 
 class EgeriaCallback(FreezingCallback):
@@ -48,7 +39,7 @@ class EgeriaCallback(FreezingCallback):
     Args:
         probe_data: data to draw the probe batch from: model inputs (NumPy
             arrays, or a list/dict of them) or a `tf.data.Dataset`. Default:
-            the `x` passed to `fit`.
+            the data passed to `fit`.
         probe_size: examples in the probe batch.
         modules: explicit partition, a list of lists of layer names front to
             back (required for subclassed models). Default: automatic.
@@ -72,9 +63,10 @@ class EgeriaCallback(FreezingCallback):
             runs on a GPU or TPU, whose host CPUs are otherwise idle; on a
             CPU-only host the training step already uses every core, and a
             background thread would slow it down more than it saves.
-        batch_norm_drift_limit: no freeze while a module's BatchNormalization
-            moving statistics are further than this from the probe batch's
-            (see `FreezingCallback`); None: no check.
+        refresh_batch_norm: give a module's BatchNormalization layers the
+            probe batch's statistics just before it freezes, so that the
+            frozen module computes what training computed (see
+            `FreezingCallback._freeze`).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your
@@ -89,13 +81,14 @@ class EgeriaCallback(FreezingCallback):
     3
     """
 
+    TAG = "egeria"
+    STATE_FILE = STATE_FILE
+    VALUE_NAME = "plasticity"
+
     def __init__(
         self,
         probe_data=None,
         *,
-        probe_size: int = 256,
-        modules: Sequence[Sequence[str]] | None = None,
-        eval_every: int | None = None,
         window: int = 8,
         tolerance: float = 0.15,
         patience: int = 2,
@@ -105,19 +98,9 @@ class EgeriaCallback(FreezingCallback):
         reference_refresh: int = 1,
         reference: str = "auto",
         asynchronous: bool | str = "auto",
-        batch_norm_drift_limit: float | None = BATCH_NORM_DRIFT_LIMIT,
-        log_dir: str | None = None,
-        backup_dir: str | None = None,
-        seed: int = 0,
-        verbose: int = 1,
+        **kwargs,
     ):
-        super().__init__(
-            modules=modules, batch_norm_drift_limit=batch_norm_drift_limit, log_dir=log_dir, verbose=verbose
-        )
-        check_positive_int("probe_size", probe_size)
-        if probe_size < 2:
-            raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
-        check_positive_int("eval_every", eval_every, allow_none=True)
+        super().__init__(probe_data, **kwargs)
         check_positive_int("reference_refresh", reference_refresh)
         if reference not in REFERENCE_MODES:
             raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={reference!r}")
@@ -136,9 +119,6 @@ class EgeriaCallback(FreezingCallback):
             max_frozen_fraction=max_frozen_fraction,
             reopen_lr_factor=reopen_lr_factor,
         )
-        self.probe_data = probe_data
-        self.probe_size = probe_size
-        self.eval_every = eval_every
         self.window = window
         self.tolerance = tolerance
         self.patience = patience
@@ -148,45 +128,32 @@ class EgeriaCallback(FreezingCallback):
         self.reference_refresh = reference_refresh
         self.reference_mode = reference
         self.asynchronous = asynchronous
-        self.backup_dir = backup_dir
-        self.seed = seed
-
-        self.policy: EgeriaPolicy | None = None
         self.reference: Reference | None = None
-        self.history: list[dict] = []
-        self.skipped_evaluations = 0
-        self._probe = None
         self._reader = None
-        self._next_eval = None
-        self._evaluations = 0
-        self._resume_checked = False
 
     # ------------------------------------------------------------------ setup
 
-    def _sample_input(self):
-        if self._probe is None:
-            try:
-                input_ndim = len(self.model.inputs[0].shape)
-            except (AttributeError, ValueError, IndexError, TypeError):
-                input_ndim = None
-            data = self.probe_data
-            if data is None:
-                data = fit_argument(self.model, "x", "`probe_data=` (training inputs or a tf.data.Dataset)")
-            self._probe = draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim)
-        return self._probe
+    def _make_policy(self) -> EgeriaPolicy:
+        return EgeriaPolicy(
+            len(self.modules),
+            window=self.window,
+            tolerance=self.tolerance,
+            patience=self.patience,
+            bootstrap_steps=self._resolve_bootstrap(self.bootstrap_steps),
+            max_frozen_fraction=self.max_frozen_fraction,
+            reopen_lr_factor=self.reopen_lr_factor,
+        )
 
     def _setup(self, first_fit: bool) -> None:
         model = self.model
-        self._sample_input()
-        if first_fit:
-            self.policy = self._make_policy()
+        probe = self.probe
         self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
         if self.reference is None:
             try:
                 self.reference = Reference(
                     model,
                     [m.output_layer for m in self.modules],
-                    self._probe,
+                    probe,
                     asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
                     mode=self.reference_mode,
                 )
@@ -200,187 +167,39 @@ class EgeriaCallback(FreezingCallback):
                     UserWarning,
                     stacklevel=2,
                 )
-        self._eval_every = self._resolve_eval_every(self.eval_every)
-        self._next_eval = self._step + self._eval_every
-        self._resume_checked = False
-
-    def _make_policy(self) -> EgeriaPolicy:
-        bootstrap = self._resolve_bootstrap(self.bootstrap_steps)
-        return EgeriaPolicy(
-            len(self.modules),
-            window=self.window,
-            tolerance=self.tolerance,
-            patience=self.patience,
-            bootstrap_steps=bootstrap,
-            max_frozen_fraction=self.max_frozen_fraction,
-            reopen_lr_factor=self.reopen_lr_factor,
-        )
-
-    # --------------------------------------------------------------- training
-
-    @timed
-    def on_epoch_begin(self, epoch, logs=None):
-        super().on_epoch_begin(epoch, logs)
-        if not self._resume_checked:
-            self._resume_checked = True
-            if epoch > 0 and self.backup_dir:
-                self._restore(epoch)
 
     def _teardown(self) -> None:
         if self.reference is not None:
             self.reference.close()
 
-    def _on_freeze_refused(self, index: int) -> None:
-        self.policy.reject(index)
+    # ------------------------------------------------------------- evaluation
 
-    def _after_step(self) -> None:
-        if self._step >= self._next_eval and not self.policy.settled:
-            self._evaluate()
-            while self._next_eval <= self._step:
-                self._next_eval += self._eval_every
-
-    @timed
-    def on_epoch_end(self, epoch, logs=None):
-        super().on_epoch_end(epoch, logs)
-        if self.backup_dir:
-            self._save(epoch + 1)
-
-    def _learning_rate(self) -> float | None:
-        try:
-            return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
-        except (AttributeError, TypeError, ValueError):
+    def _measure(self) -> list[float] | None:
+        """Each active module's plasticity (NaN for frozen ones); None until the reference has a refresh."""
+        if not self.reference.ready():
             return None
-
-    def _evaluate(self) -> None:
-        activations = self._reader(self._probe)
-        n = len(self.modules)
+        activations = self._reader(self.probe)
+        reference = self.reference.activations()
         k = self.policy.num_frozen
-        plasticity = [math.nan] * n
-        if self.reference.ready():
-            reference = self.reference.activations()
-            for i in range(k, n):
-                plasticity[i] = sp_loss(activations[i], reference[i], gram_dtype=np.float32)
-            decision = self.policy.observe(self._step, plasticity, self._learning_rate())
-            self.history.append(
-                {
-                    "step": self._step,
-                    "epoch": self._epoch,
-                    "plasticity": [v if math.isfinite(v) else None for v in plasticity],
-                    "frozen": k,
-                }
-            )
-            self._apply(decision)
-        self._evaluations += 1
-        if (self._evaluations - 1) % self.reference_refresh == 0:
+        return [
+            sp_loss(activations[i], reference[i], gram_dtype=np.float32) if i >= k else math.nan
+            for i in range(len(self.modules))
+        ]
+
+    def _after_evaluation(self, decision) -> None:
+        if (self.evaluations - 1) % self.reference_refresh == 0:
             self.reference.submit_refresh(self.model)
-        if self._writer is not None:
-            with self._writer.as_default(step=self._step):
-                for i, value in enumerate(plasticity):
-                    if math.isfinite(value):
-                        tf.summary.scalar(f"egeria/plasticity/module_{i}", value)
-                tf.summary.scalar("egeria/frozen_modules", self.engine.num_frozen)
 
-    def _apply(self, decision) -> None:
-        if decision.skipped:
-            self.skipped_evaluations += 1
-            warnings.warn(
-                f"Egeria: non-finite plasticity at step {self._step}; this evaluation is "
-                "skipped and cannot lead to a freeze.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        details = {
-            "window": [float(v) for v in decision.window],
-            "relative_slope": decision.relative_slope,
-        }
-        if decision.unfreeze:
-            self._unfreeze(decision.unfreeze, decision.reason, **details)
-        if decision.freeze:
-            self._freeze(decision.freeze, decision.reason, **details)
+    def _extra_state(self) -> dict:
+        return {"reference_refreshes": self.reference.refreshes}
 
-    # ----------------------------------------------------------------- resume
+    def _load_extra_state(self, state: dict) -> None:
+        self.reference.refreshes = int(state.get("reference_refreshes", self.reference.refreshes))
 
-    def _state_path(self) -> str:
-        return os.path.join(self.backup_dir, STATE_FILE)
-
-    def _snapshot(self) -> dict:
-        return {
-            "policy": self.policy.get_state(),
-            "step": self._step,
-            "evaluations": self._evaluations,
-            "reference_refreshes": self.reference.refreshes,
-            "events": self.events,
-            "history": self.history,
-            "skipped_evaluations": self.skipped_evaluations,
-            "frozen_flops_steps": self._frozen_flops_steps,
-        }
-
-    def _read_state(self) -> dict | None:
-        path = self._state_path()
-        if not os.path.exists(path):
-            return None
-        try:
-            with open(path) as f:
-                state = json.load(f)
-            if state.get("version") != _STATE_VERSION or not isinstance(state.get("snapshots"), dict):
-                raise ValueError("unknown layout")
-        except (OSError, ValueError) as err:
-            raise ValueError(
-                f"Egeria state file {path!r} is corrupted or not an Egeria state ({err}). "
-                "It was left untouched; move it away to restart Egeria's decisions from scratch."
-            ) from err
-        return state
-
-    def _save(self, next_epoch: int) -> None:
-        os.makedirs(self.backup_dir, exist_ok=True)
-        state = self._read_state() or {"version": _STATE_VERSION, "snapshots": {}}
-        state["num_modules"] = len(self.modules)
-        state["module_layers"] = [m.layer_names for m in self.modules]
-        state["snapshots"][str(next_epoch)] = self._snapshot()
-        keep = sorted(state["snapshots"], key=int)[-_KEPT_SNAPSHOTS:]
-        state["snapshots"] = {k: state["snapshots"][k] for k in keep}
-        # Atomic: a kill during the write leaves the previous file intact.
-        write_json_atomic(state, self._state_path(), indent=None)
-
-    def _restore(self, epoch: int) -> None:
-        state = self._read_state()
-        if state is None:
-            warnings.warn(
-                f"Egeria: fit resumes at epoch {epoch + 1} but {self._state_path()!r} has no "
-                "Egeria state; freezing decisions start from scratch.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return
-        if state.get("module_layers") != [m.layer_names for m in self.modules]:
-            raise ValueError(
-                f"Egeria state file {self._state_path()!r} was saved for other modules "
-                f"({state.get('module_layers')}); this model's modules are "
-                f"{[m.layer_names for m in self.modules]}."
-            )
-        usable = [int(k) for k in state["snapshots"] if int(k) <= epoch]
-        if not usable:
-            return
-        snap = state["snapshots"][str(max(usable))]
-        self.policy.set_state(snap["policy"])
-        self._step = int(snap["step"])
-        self._evaluations = int(snap["evaluations"])
-        self.reference.refreshes = int(snap["reference_refreshes"])
-        self.events = list(snap["events"])
-        self.history = list(snap["history"])
-        self.skipped_evaluations = int(snap["skipped_evaluations"])
-        self._frozen_flops_steps = float(snap["frozen_flops_steps"])
-        self._next_eval = self._step + self._eval_every
-        self.engine.freeze_prefix(self.policy.num_frozen)
+    def _after_restore(self) -> None:
         # The weights were restored by BackupAndRestore: refresh the reference
         # from them so the next evaluation compares against this state.
         self.reference.submit_refresh(self.model)
-        if self.verbose:
-            print(
-                f"Egeria: resumed at epoch {epoch + 1} with {self.policy.num_frozen} frozen module(s).",
-                flush=True,
-            )
 
     # ----------------------------------------------------------------- report
 
@@ -388,12 +207,11 @@ class EgeriaCallback(FreezingCallback):
         """What Egeria did, as a JSON-serialisable dict.
 
         `FreezingCallback.summary()` (modules, events, FLOPs skipped,
-        overhead) plus `reference_path` and `reference_reason`,
-        `reference_refreshes`, `reference_seconds` (wall time of building
-        and refreshing the reference, also when it ran off the training
-        thread: on a small host that thread competes with training and is
-        not in `overhead_fraction`), `eval_every`, `evaluations` and
-        `skipped_evaluations`.
+        overhead, status) plus `reference_path` and `reference_reason`,
+        `reference_refreshes`, `reference_build_seconds` and
+        `reference_seconds` (wall time of building and refreshing the
+        reference, also when it ran off the training thread: on a small host
+        that thread competes with training and is not in `overhead_fraction`).
         """
         report = super().summary()
         ref = self.reference
@@ -404,9 +222,6 @@ class EgeriaCallback(FreezingCallback):
                 "reference_refreshes": ref.refreshes if ref else 0,
                 "reference_build_seconds": ref.build_seconds if ref else 0.0,
                 "reference_seconds": ref.work_seconds if ref else 0.0,
-                "eval_every": getattr(self, "_eval_every", self.eval_every),
-                "evaluations": self._evaluations,
-                "skipped_evaluations": self.skipped_evaluations,
             }
         )
         return report

@@ -22,10 +22,9 @@ def plot(callback, path: str, *, title: str | None = None) -> str:
     Example:
     >>> tf_hwopt.egeria.plot(egeria, "plasticity.png")
     """
-    import matplotlib
+    from tf_hwopt._plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     draw_plasticity(ax, callback, title=title)

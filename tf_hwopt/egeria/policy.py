@@ -18,30 +18,11 @@ The policy holds no TensorFlow object: feed it numbers, get decisions.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 from typing import Sequence
 
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What the policy decided at one evaluation.
-
-    Attributes:
-        freeze: indices of modules to freeze now (front to back).
-        unfreeze: indices of modules to re-open now.
-        skipped: True when the evaluation was ignored (non-finite values).
-        reason: a human-readable reason when something happened.
-        window: the plasticity window that justified a freeze.
-        relative_slope: the relative slope of that window.
-    """
-
-    freeze: tuple = ()
-    unfreeze: tuple = ()
-    skipped: bool = False
-    reason: str = ""
-    window: tuple = ()
-    relative_slope: float | None = None
+from tf_hwopt._checks import check_fraction, check_positive_int, check_positive_number
+from tf_hwopt.freezing.policy import Decision, FreezingPolicy
 
 
 def relative_slope(values: Sequence[float]) -> float:
@@ -70,40 +51,7 @@ def relative_slope(values: Sequence[float]) -> float:
     return slope / abs(mean_y)
 
 
-def check_positive_int(name: str, value, allow_none: bool = False) -> None:
-    """Raises `ValueError` naming `name` unless `value` is an integer > 0 (or None if allowed)."""
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-
-
-def check_positive_number(name: str, value) -> None:
-    """Raises `ValueError` naming `name` unless `value` is a finite number > 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-        raise ValueError(f"`{name}` must be a finite number > 0. Received: {name}={value!r}")
-
-
-def check_fraction(name: str, value, allow_zero: bool = False) -> None:
-    """Raises `ValueError` naming `name` unless `value` is in (0, 1] (or [0, 1])."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (0 <= value <= 1 if allow_zero else 0 < value <= 1)
-    if not ok:
-        interval = "[0, 1]" if allow_zero else "(0, 1]"
-        raise ValueError(f"`{name}` must be a number in {interval}. Received: {name}={value!r}")
-
-
-def max_frozen_modules(num_modules: int, max_frozen_fraction: float) -> int:
-    """How many modules a cap of `max_frozen_fraction` allows (never the head).
-
-    Example:
-    >>> max_frozen_modules(5, 0.4), max_frozen_modules(2, 1.0)
-    (2, 1)
-    """
-    return min(num_modules - 1, int(math.floor(max_frozen_fraction * num_modules + 1e-9)))
-
-
-class EgeriaPolicy:
+class EgeriaPolicy(FreezingPolicy):
     """Decides which module to freeze from a stream of plasticity values.
 
     Args:
@@ -136,11 +84,7 @@ class EgeriaPolicy:
         max_frozen_fraction: float = 0.8,
         reopen_lr_factor: float | None = None,
     ):
-        if isinstance(num_modules, bool) or not isinstance(num_modules, int) or num_modules < 2:
-            raise ValueError(
-                f"`num_modules` must be an integer >= 2 (modules that can freeze plus "
-                f"the head). Received: num_modules={num_modules!r}"
-            )
+        super().__init__(num_modules, max_frozen_fraction=max_frozen_fraction)
         check_positive_int("window", window)
         if window < 2:
             raise ValueError(f"`window` must be at least 2 to fit a slope. Received: window={window}")
@@ -158,23 +102,14 @@ class EgeriaPolicy:
                 "`reopen_lr_factor` must be a number > 1 or None. "
                 f"Received: reopen_lr_factor={reopen_lr_factor!r}"
             )
-        self.num_modules = num_modules
         self.window = window
         self.tolerance = float(tolerance)
         self.patience = patience
         self.bootstrap_steps = bootstrap_steps
-        self.max_frozen_fraction = float(max_frozen_fraction)
         self.reopen_lr_factor = reopen_lr_factor
-        self.num_frozen = 0
-        self.evaluations = 0
         self._windows = [collections.deque(maxlen=window) for _ in range(num_modules)]
         self._stable = [0] * num_modules
         self._lr_at_freeze: float | None = None
-
-    @property
-    def max_frozen(self) -> int:
-        """How many modules may be frozen at most (the head never is)."""
-        return max_frozen_modules(self.num_modules, self.max_frozen_fraction)
 
     @property
     def settled(self) -> bool:
@@ -247,22 +182,10 @@ class EgeriaPolicy:
             relative_slope=slope,
         )
 
-    def reject(self, index: int) -> None:
-        """Module `index`, just decided, was not frozen after all: take the decision back.
-
-        Its window is kept; it needs `patience` converged evaluations again.
-        """
-        if index != self.num_frozen - 1:
-            raise ValueError(f"Only the last frozen module ({self.num_frozen - 1}) can be rejected; got {index}.")
-        self.num_frozen -= 1
-        self._stable[index] = 0
-
     def get_state(self) -> dict:
         """A JSON-serialisable snapshot (for resuming)."""
         return {
-            "num_modules": self.num_modules,
-            "num_frozen": self.num_frozen,
-            "evaluations": self.evaluations,
+            **super().get_state(),
             "windows": [list(w) for w in self._windows],
             "stable": list(self._stable),
             "lr_at_freeze": self._lr_at_freeze,
@@ -270,13 +193,7 @@ class EgeriaPolicy:
 
     def set_state(self, state: dict) -> None:
         """Restores a snapshot made by `get_state`."""
-        if state.get("num_modules") != self.num_modules:
-            raise ValueError(
-                f"Egeria state is for {state.get('num_modules')} modules, but this model "
-                f"has {self.num_modules}; it was saved for a different model or partition."
-            )
-        self.num_frozen = int(state["num_frozen"])
-        self.evaluations = int(state["evaluations"])
+        super().set_state(state)
         self._windows = [collections.deque(w, maxlen=self.window) for w in state["windows"]]
         self._stable = [int(s) for s in state["stable"]]
         self._lr_at_freeze = state["lr_at_freeze"]

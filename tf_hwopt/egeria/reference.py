@@ -40,11 +40,11 @@ from tf_hwopt._quiet import import_tensorflow_quietly, import_tf_keras_quietly
 
 import_tensorflow_quietly()
 
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import keras
+import tensorflow as tf
 
-from tf_hwopt import _internals  # noqa: E402
-from tf_hwopt.egeria.plasticity import ActivationReader, take  # noqa: E402
+from tf_hwopt import _internals
+from tf_hwopt.freezing.probe import ActivationReader, take
 
 logger = logging.getLogger("tf_hwopt.egeria")
 
@@ -115,7 +115,7 @@ def _tf_keras_layer(layer, tf_keras):
 
 def _rebuild_tf_keras(model, tf_keras):
     """Rebuilds a Functional or Sequential Keras 3 model as a tf_keras model."""
-    from tf_hwopt.egeria.modules import graph_kind
+    from tf_hwopt.freezing.modules import graph_kind
 
     kind = graph_kind(model)
     if kind == "subclassed":

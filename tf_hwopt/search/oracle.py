@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 
 import keras_tuner
-from keras_tuner.src.engine import trial as trial_module
 
 OVER_BUDGET = "tf_hwopt:over-budget"
 LATENCY_METRICS = ("latency_ms", "latency_estimated")
@@ -144,19 +143,19 @@ class LatencyAwareOracle(keras_tuner.oracles.BayesianOptimizationOracle):
         for _ in range(self.max_proposals):
             if use_bayesian:
                 proposal = super().populate_space(trial_id)
-                if proposal["status"] != trial_module.TrialStatus.RUNNING:
+                if proposal["status"] != keras_tuner.engine.trial.TrialStatus.RUNNING:
                     return proposal
                 values = proposal["values"]
             else:
                 values = self._random_values()
                 if values is None:
-                    return {"status": trial_module.TrialStatus.STOPPED, "values": None}
+                    return {"status": keras_tuner.engine.trial.TrialStatus.STOPPED, "values": None}
             if not self.predicted_over_budget(values):
-                return {"status": trial_module.TrialStatus.RUNNING, "values": values}
+                return {"status": keras_tuner.engine.trial.TrialStatus.RUNNING, "values": values}
             self.skipped_proposals += 1
             self._tried_so_far.add(self._compute_values_hash(values))
             use_bayesian = False  # the model's optimum is over budget: explore instead
-        return {"status": trial_module.TrialStatus.STOPPED, "values": None}
+        return {"status": keras_tuner.engine.trial.TrialStatus.STOPPED, "values": None}
 
     @keras_tuner.synchronized
     def update_trial(self, trial_id, metrics, step=0):

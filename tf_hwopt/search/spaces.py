@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import tomllib
 
-from tf_hwopt.hardware import HardwareProfile, load_profile
+from tf_hwopt.hardware.profiles import HardwareProfile, as_profile
 
 
 def aligned_range(min_value: int, max_value: int, multiple: int) -> tuple[int, int]:
@@ -70,7 +70,7 @@ class HardwareSpace:
 
     def __init__(self, hp, profile: HardwareProfile | str):
         self.hp = hp
-        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.profile = as_profile(profile)
 
     def width(self, name: str, min_value: int, max_value: int) -> int:
         """A layer width: multiples of the profile's `width_multiple`."""

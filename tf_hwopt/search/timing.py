@@ -20,15 +20,11 @@ import time
 
 import numpy as np
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
+import tensorflow as tf
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_hwopt.flops import _graph_float_ops  # noqa: E402
-from tf_hwopt.hardware import HardwareProfile, load_profile, roofline_ms  # noqa: E402
+from tf_hwopt.flops import graph_float_ops
+from tf_hwopt.hardware.profiles import HardwareProfile, as_profile, roofline_ms
 
 MODES = ("train", "serve")
 
@@ -142,7 +138,7 @@ def time_step(
     x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
     if profile is not None:
-        profile = load_profile(profile) if isinstance(profile, str) else profile
+        profile = as_profile(profile)
         need = model_memory_bytes(model, batch_size, mode)
         have = profile.memory_gib * 2**30
         if need > have:
@@ -239,7 +235,7 @@ def estimate_step(
         A `StepTiming` with `kind="estimated"`.
     """
     _check_mode(mode)
-    profile = load_profile(profile) if isinstance(profile, str) else profile
+    profile = as_profile(profile)
     x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
     specs = keras.tree.map_structure(lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)), x)
     trainable = model.trainable_variables
@@ -263,7 +259,7 @@ def estimate_step(
                 return model(inputs, training=False)
 
         graph = tf.function(fn).get_concrete_function(specs).graph
-    flops = float(sum(_graph_float_ops(graph).values()))
+    flops = float(sum(graph_float_ops(graph).values()))
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
     weight_bytes = _weight_bytes(model)
     activation_bytes = _activation_bytes(model, batch_size)

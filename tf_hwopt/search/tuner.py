@@ -7,12 +7,12 @@ import time
 import keras_tuner
 import numpy as np
 import tensorflow as tf
-from keras_tuner.src.engine import tuner_utils
 
+from tf_hwopt import _internals
 from tf_hwopt._io import write_json_atomic
-from tf_hwopt.hardware import HardwareProfile, load_profile
+from tf_hwopt.hardware.profiles import HardwareProfile, as_profile
 from tf_hwopt.search.oracle import LatencyAwareOracle, over_budget_message
-from tf_hwopt.search.timing import estimate_step, time_step
+from tf_hwopt.search.timing import StepTiming, estimate_step, time_step
 
 TIMINGS = ("measured", "estimated")
 
@@ -66,7 +66,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             )
         if timing not in TIMINGS:
             raise ValueError(f"`timing` must be one of {TIMINGS}. Received: timing={timing!r}")
-        self.profile = load_profile(profile) if isinstance(profile, str) else profile
+        self.profile = as_profile(profile)
         self.timing = timing
         self.timing_mode = timing_mode
         self.timing_steps = timing_steps
@@ -94,11 +94,16 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             x, y = np.concatenate([x] * reps), np.concatenate([y] * reps)
         return x[:size], y[:size]
 
-    def time_candidate(self, hp, *args, **kwargs) -> tuple[float, str]:
-        """Latency of the candidate `hp` (from the oracle's record when known)."""
+    def time_candidate(self, hp, *args, **kwargs) -> StepTiming:
+        """The step time of the candidate `hp` (from the oracle's record when known).
+
+        A record carries only the median and its label: the spread fields of
+        the returned `StepTiming` then equal the median and `steps` is 0.
+        """
         known = self.latency_oracle.known_latency(hp.values)
         if known is not None:
-            return known["latency_ms"], known["kind"]
+            ms = known["latency_ms"]
+            return StepTiming(ms, known["kind"], self.timing_mode, ms, ms, 0.0, 0, device="oracle record")
         started = time.perf_counter()
         model = self._try_build(hp)
         batch = self._timing_batch(hp, args, kwargs)
@@ -112,7 +117,7 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         self.timed_candidates += 1
         self.timing_seconds += time.perf_counter() - started
         self.latency_oracle.record_latency(hp.values, result.median_ms, result.kind)
-        return result.median_ms, result.kind
+        return result
 
     def _jit_compile(self) -> bool:
         if self.timing_jit_compile != "auto":
@@ -138,7 +143,8 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         # trial ends FAILED with the reason, without the traceback KerasTuner
         # prints for failing trials. Anything else goes through KerasTuner.
         try:
-            latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+            timing = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+            latency, kind = timing.median_ms, timing.kind
         except Exception:  # noqa: BLE001 - raised again, and reported, by run_trial below
             latency = None
         if latency is not None and self._over_budget(latency):
@@ -149,13 +155,14 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         super()._try_run_and_update_trial(trial, *args, **kwargs)
 
     def run_trial(self, trial, *args, **kwargs):
-        latency, kind = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+        timing = self.time_candidate(trial.hyperparameters, *args, **kwargs)
+        latency, kind = timing.median_ms, timing.kind
         oracle = self.latency_oracle
         self._report_latency(trial, latency, kind)
         if self._over_budget(latency):
             raise keras_tuner.errors.FailedTrialError(over_budget_message(latency, kind, oracle.latency_budget_ms))
         histories = super().run_trial(trial, *args, **kwargs)
-        metrics = tuner_utils.convert_to_metrics_dict(histories, oracle.objective)
+        metrics = _internals.metrics_dict(histories, oracle.objective)
         metrics["latency_ms"] = latency
         metrics["latency_estimated"] = 1.0 if kind == "estimated" else 0.0
         return metrics
@@ -225,10 +232,9 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             default=str,
         )
         if png_path:
-            import matplotlib
+            from tf_hwopt._plotting import pyplot
 
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            plt = pyplot()
 
             rows = self.trial_latencies()
             fig, ax = plt.subplots(figsize=(6, 4), dpi=110)
@@ -246,3 +252,13 @@ class LatencyAwareTuner(keras_tuner.Tuner):
             fig.savefig(png_path)
             plt.close(fig)
         return front
+
+
+def is_search_worker() -> bool:
+    """Whether this process is a worker of KerasTuner's distributed mode (not the chief oracle).
+
+    Example:
+    >>> if is_search_worker():
+    ...     pass   # workers run trials; only the chief writes reports
+    """
+    return _internals.kerastuner_is_worker()

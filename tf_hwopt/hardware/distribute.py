@@ -23,12 +23,12 @@ import os
 from typing import Sequence
 
 from tf_hwopt._quiet import import_tensorflow_quietly
-from tf_hwopt.hardware import HardwareProfile, load_profile
+from tf_hwopt.hardware.profiles import HardwareProfile, as_profile
 
 import_tensorflow_quietly()
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
+import numpy as np
+import tensorflow as tf
 
 _HOW_INSTEAD = (
     "To search on this machine, use the `cpu` profile (measured timing), or keep the "
@@ -81,7 +81,7 @@ def strategy_for(
     Raises:
         ValueError: the profile's hardware is not present.
     """
-    profile = load_profile(profile) if isinstance(profile, str) else profile
+    profile = as_profile(profile)
     if profile.strategy == "tpu":
         return tpu_strategy(tpu)
     if devices:

@@ -34,13 +34,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-
-from tf_hwopt import _internals  # noqa: E402
+from tf_hwopt import _internals
 
 _NORMALIZATION = (
     keras.layers.BatchNormalization,
@@ -416,4 +412,4 @@ def describe_modules(
     return mods
 
 
-from tf_hwopt.flops import forward_flops_by_layer  # noqa: E402
+from tf_hwopt.flops import forward_flops_by_layer

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from tf_hwopt.egeria.modules import Module
+from tf_hwopt.freezing.modules import Module
 
 # Marks a layer frozen by tf_hwopt, so that a later engine (after an
 # interrupted fit) knows the layer was trainable before.

@@ -44,17 +44,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
+import tensorflow as tf
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_hwopt.egeria.callback import EgeriaCallback  # noqa: E402
-from tf_hwopt.egeria.freezing_callback import FreezingCallback  # noqa: E402
-from tf_hwopt.egeria.gradnorm import GradientNormFreezeCallback  # noqa: E402
-from tf_hwopt.egeria.modules import Module, partition_modules  # noqa: E402
+from tf_hwopt import _internals
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt.freezing.callback import FreezingCallback
+from tf_hwopt.freezing.modules import Module, partition_modules
+from tf_hwopt.training.result import TrainingResult
 
 CACHE_MODES = ("memory", "disk", "auto", None)
 CACHE_DTYPES = ("float32", "float16", "bfloat16")
@@ -344,7 +341,7 @@ def _numpy_gather(fn: Callable, shape: Sequence[int] | None = None) -> Callable:
     return gather
 
 
-def _dataset(num_examples, epochs, seed, batch_size, gather, labels):
+def cached_dataset(num_examples, epochs, seed, batch_size, gather, labels):
     """Batches `(gather(ids), labels[ids])` of epochs `epochs`, in `epoch_order`, prefetched.
 
     `gather` maps a tensor of example ids to their features inside the
@@ -428,9 +425,9 @@ class _OnWholeModel(keras.callbacks.Callback):
         self.inner.on_train_batch_end(batch, logs)
 
 
-def _compile_like(suffix: keras.Model, model: keras.Model) -> None:
-    config = getattr(model, "_compile_config", None)
-    config = getattr(config, "config", None)
+def compile_like(suffix: keras.Model, model: keras.Model) -> None:
+    """Compiles `suffix` as `model` was compiled, sharing its optimizer (same slots and step counter)."""
+    config = _internals.compile_config(model)
     if not config:
         raise ValueError("fit_with_cache needs a model compiled with `model.compile(...)`.")
     suffix.compile(
@@ -455,10 +452,9 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
         )
     if len(x) != len(y):
         raise ValueError(f"`x` and `y` must have the same length; got {len(x)} and {len(y)}.")
-    for name, value in (("epochs", epochs), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
-    if not isinstance(freezer, FreezingCallback):
+    check_positive_int("epochs", epochs)
+    check_positive_int("batch_size", batch_size)
+    if freezer is not None and not isinstance(freezer, FreezingCallback):
         raise ValueError(
             "`freezer` must be a freezing callback (EgeriaCallback, FreezeOutCallback, "
             f"GradientNormFreezeCallback). Received: {type(freezer).__name__}"
@@ -498,17 +494,17 @@ def fit_with_cache(
     *,
     epochs: int,
     batch_size: int = 32,
-    freezer: FreezingCallback,
+    freezer: FreezingCallback | None = None,
+    validation_data=None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
+    seed: int | None = 0,
+    verbose: int = 1,
     cache: str | None = "auto",
     cache_dtype: str = "float32",
     cache_budget: float = DEFAULT_CACHE_BUDGET,
     cache_dir: str | None = None,
     preprocess: Callable | None = None,
-    validation_data=None,
-    callbacks: Sequence[keras.callbacks.Callback] = (),
-    seed: int | None = 0,
-    verbose: int = 1,
-) -> dict:
+) -> TrainingResult:
     """Trains `model` with a freezing callback, caching the frozen prefix's outputs.
 
     Args:
@@ -516,7 +512,7 @@ def fit_with_cache(
         x, y: training inputs and targets (NumPy arrays).
         epochs, batch_size: as for `model.fit`.
         freezer: the freezing callback that decides what freezes
-            (usually `EgeriaCallback()`).
+            (usually `EgeriaCallback()`); None trains without freezing.
         cache: `"memory"`, `"disk"`, `"auto"` (memory within budget, else
             disk, else none) or `None` (same driver, same data order, no
             cache: the baseline to compare with).
@@ -532,18 +528,22 @@ def fit_with_cache(
         seed: shuffling seed (`None`: no shuffling).
 
     Returns:
-        `{"history": {metric: [per epoch]}, "phases": [...], "cache": {...}}`;
-        each phase gives its first epoch, frozen prefix, cache action and size.
+        A `TrainingResult`: `history` per epoch; `phases`, each with its first
+        epoch, frozen prefix, cache action and size; `details["cache"]`.
 
     Example:
     >>> egeria = tf_hwopt.EgeriaCallback()
-    >>> result = tf_hwopt.egeria.fit_with_cache(model, x, y, epochs=10, batch_size=256,
-    ...                                         freezer=egeria, cache="memory")
-    >>> result["phases"]
+    >>> result = tf_hwopt.training.fit_with_cache(model, x, y, epochs=10, batch_size=256,
+    ...                                           freezer=egeria, cache="memory")
+    >>> result.phases
     """
     _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data)
     x, y = np.asarray(x), np.asarray(y)
-    modules = freezer.modules or partition_modules(model, freezer.module_names)
+    if freezer is None:
+        cache = None  # nothing freezes, so nothing is cached
+    modules = (freezer.modules if freezer is not None else None) or partition_modules(
+        model, freezer.module_names if freezer is not None else None
+    )
     augmenting = random_augmentation_layers(modules[:-1])
     if augmenting and cache is not None:
         message = (f"random augmentation in modules that may freeze ({', '.join(augmenting)}): a cached "
@@ -557,7 +557,8 @@ def fit_with_cache(
     mode, message = _choose_mode(cache, largest, cache_budget, cache_dir)
     if message:
         warnings.warn(f"fit_with_cache: {message}.", stacklevel=2)
-    _give_data(freezer, x, y)
+    if freezer is not None:
+        freezer.provide_data(x, y)
 
     store = ActivationCache(model, modules, x, mode=mode or "memory", dtype=cache_dtype,
                             directory=cache_dir, preprocess=preprocess,
@@ -572,32 +573,32 @@ def fit_with_cache(
     epoch, suffixes = 0, {}
     try:
         while epoch < epochs:
-            level = freezer.frozen_prefix
+            level = freezer.frozen_prefix if freezer is not None else 0
             if mode is None:
                 level_cached = 0
             else:
                 level_cached = level
                 action = store.set_level(level)
             if level_cached == 0:
-                target, features, fit_callbacks = model, raw, [freezer]
+                target, features, fit_callbacks = model, raw, [freezer] if freezer is not None else []
                 val = validation_data
             else:
                 if level not in suffixes:
                     suffixes[level] = cut_model(model, modules, level, len(modules))
-                    _compile_like(suffixes[level], model)
+                    compile_like(suffixes[level], model)
                 target, features = suffixes[level], store.gather
                 fit_callbacks = [_OnWholeModel(freezer, model)]
                 val = None
                 if val_store is not None:
                     val_store.set_level(level)
-                    val = _dataset(val_store.num_examples, [0], None, store.batch_size, val_store.gather,
+                    val = cached_dataset(val_store.num_examples, [0], None, store.batch_size, val_store.gather,
                                    np.asarray(validation_data[1]))
             phases.append({
                 "first_epoch": epoch, "frozen_prefix": level, "cached_modules": level_cached,
                 "cache_action": action if mode is not None else "off",
                 "cache_bytes": store.nbytes if level_cached else 0,
             })
-            data = _dataset(len(x), range(epoch, epochs), seed, batch_size, features, y)
+            data = cached_dataset(len(x), range(epoch, epochs), seed, batch_size, features, y)
             stopper = _EndPhaseOnPrefixChange(freezer, level, epochs) if mode is not None else None
             result = target.fit(
                 data, epochs=epochs, initial_epoch=epoch, steps_per_epoch=steps, validation_data=val,
@@ -616,13 +617,9 @@ def fit_with_cache(
         store.close()
         if val_store is not None:
             val_store.close()
-    return {"history": history, "phases": phases, "cache": summary}
-
-
-def _give_data(freezer, x, y) -> None:
-    """Hands the freezer the training arrays it would otherwise read from `fit`'s
-    arguments (which, here, are the driver's pipeline)."""
-    if isinstance(freezer, EgeriaCallback) and freezer.probe_data is None:
-        freezer.probe_data = x
-    if isinstance(freezer, GradientNormFreezeCallback) and freezer.data is None:
-        freezer.data = (x, y)
+    return TrainingResult(
+        history=history,
+        phases=phases,
+        details={"cache": summary},
+        freezer=freezer.summary() if freezer is not None else None,
+    )

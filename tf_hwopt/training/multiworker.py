@@ -29,20 +29,18 @@ Which path to take:
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import numpy as np
 
-from tf_hwopt._quiet import import_tensorflow_quietly
+import keras
+import tensorflow as tf
 
-import_tensorflow_quietly()
-
-import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from tf_hwopt.egeria.cache import _give_data  # noqa: E402
-from tf_hwopt.egeria.freezing import FreezingEngine  # noqa: E402
-from tf_hwopt.egeria.freezing_callback import FreezingCallback  # noqa: E402
-from tf_hwopt.egeria.modules import partition_modules  # noqa: E402
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt.freezing.callback import FreezingCallback
+from tf_hwopt.freezing.engine import FreezingEngine
+from tf_hwopt.freezing.modules import partition_modules
+from tf_hwopt.training.result import TrainingResult
 
 
 def is_chief(strategy: tf.distribute.Strategy) -> bool:
@@ -86,42 +84,51 @@ def fit_multi_worker(
     x,
     y,
     *,
-    loss: keras.losses.Loss,
     epochs: int,
-    global_batch_size: int,
-    strategy: tf.distribute.Strategy,
+    batch_size: int,
     freezer: FreezingCallback | None = None,
+    validation_data=None,
+    callbacks: Sequence[keras.callbacks.Callback] = (),
     seed: int = 0,
-    verbose: int = 0,
-) -> dict:
+    verbose: int = 1,
+    loss: keras.losses.Loss,
+    strategy: tf.distribute.Strategy,
+) -> TrainingResult:
     """Trains `model` under `strategy` with a custom loop, freezing as `freezer` decides.
 
     Args:
         model: built and compiled (for its optimizer) under `strategy.scope()`.
         x, y: training arrays; every worker passes the same arrays and the
             dataset is sharded by data across workers.
-        loss: a Keras loss object (its per-example `call` is used).
-        epochs, global_batch_size: the run (the global batch is split over
-            all replicas; a short last batch is dropped).
-        strategy: `MultiWorkerMirroredStrategy` (several workers, from
-            `TF_CONFIG`), or `MirroredStrategy` (one host).
+        epochs, batch_size: the run; `batch_size` is the global batch, split
+            over all replicas (a short last batch is dropped).
         freezer: a freezing callback; it runs on the chief, whose decisions
             every worker applies at the same step.
+        validation_data: `(x_val, y_val)`; its loss is computed at each
+            epoch end, on every worker (no collective).
+        callbacks: Keras callbacks run on the chief (train, epoch and batch
+            hooks, with the `loss` in their logs).
+        seed: shuffling seed.
+        verbose: 1 prints one line per epoch.
+        loss: a Keras loss object (its per-example `call` is used).
+        strategy: `MultiWorkerMirroredStrategy` (several workers, from
+            `TF_CONFIG`), or `MirroredStrategy` (one host).
 
     Returns:
-        `{"loss": [per epoch], "frozen_at_step": [[indices] per step],
-        "gradient_tensors_at_step": [per step], "chief": bool, "seconds": s}`.
+        A `TrainingResult`: `history["loss"]` (and `val_loss`) per epoch; one
+        phase; `details` with `frozen_at_step` ([indices] per step),
+        `gradient_tensors_at_step`, `chief`, `steps` and `seconds`.
 
     Example:
     >>> strategy = tf.distribute.MultiWorkerMirroredStrategy()   # TF_CONFIG set
     >>> with strategy.scope():
     ...     model = build(); model.compile(optimizer="adam", loss=loss)
-    >>> fit_multi_worker(model, x, y, loss=loss, epochs=5, global_batch_size=256,
-    ...                  strategy=strategy, freezer=tf_hwopt.EgeriaCallback(probe_data=x))
+    >>> fit_multi_worker(model, x, y, epochs=5, batch_size=256, freezer=tf_hwopt.EgeriaCallback(),
+    ...                  loss=loss, strategy=strategy)
     """
-    for name, value in (("epochs", epochs), ("global_batch_size", global_batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{name}` must be a positive integer. Received: {name}={value!r}")
+    check_positive_int("epochs", epochs)
+    check_positive_int("batch_size", batch_size)
+    global_batch_size = batch_size
     if getattr(model, "optimizer", None) is None:
         raise ValueError("`model` must be compiled (under `strategy.scope()`) so that it has an optimizer.")
     if not isinstance(loss, keras.losses.Loss):
@@ -130,7 +137,7 @@ def fit_multi_worker(
         raise ValueError(f"`freezer` must be a freezing callback. Received: {type(freezer).__name__}")
     steps_per_epoch = len(x) // global_batch_size
     if steps_per_epoch < 1:
-        raise ValueError(f"`global_batch_size`={global_batch_size} is larger than the data ({len(x)} examples).")
+        raise ValueError(f"`batch_size`={global_batch_size} is larger than the data ({len(x)} examples).")
     chief = is_chief(strategy)
     local_replicas = strategy.num_replicas_in_sync // _num_workers(strategy)
 
@@ -146,7 +153,7 @@ def fit_multi_worker(
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
 
     if freezer is not None:
-        _give_data(freezer, np.asarray(x), np.asarray(y))
+        freezer.provide_data(np.asarray(x), np.asarray(y))
     modules = partition_modules(model, freezer.module_names if freezer is not None else None)
     if freezer is not None and chief:
         freezer.set_model(model)
@@ -165,12 +172,19 @@ def fit_multi_worker(
     broadcast = _make_broadcast(strategy)
 
     history = {"loss": [], "frozen_at_step": [], "gradient_tensors_at_step": [], "chief": chief}
+    epoch_loss = {"loss": []}
+    user_callbacks = keras.callbacks.CallbackList(list(callbacks), model=model) if chief and callbacks else None
+    if user_callbacks is not None:
+        user_callbacks.set_params({"epochs": epochs, "steps": steps_per_epoch, "verbose": verbose})
+        user_callbacks.on_train_begin()
     started = time.perf_counter()
     agreed = np.zeros(len(modules), bool)  # the last broadcast frozen set
     try:
         for epoch in range(epochs):
             if freezer is not None and chief:
                 freezer.on_epoch_begin(epoch)
+            if user_callbacks is not None:
+                user_callbacks.on_epoch_begin(epoch)
             total = 0.0
             for batch in range(steps_per_epoch):
                 value = float(state["step"](iterator))
@@ -178,6 +192,8 @@ def fit_multi_worker(
                 history["gradient_tensors_at_step"].append(state["tensors"])
                 if freezer is not None and chief:
                     freezer.on_train_batch_end(batch, {"loss": value})
+                if user_callbacks is not None:
+                    user_callbacks.on_train_batch_end(batch, {"loss": value})
                 if freezer is not None:
                     mine = np.asarray(engine.frozen, np.float32) if chief else np.zeros(len(modules), np.float32)
                     decided = np.asarray(broadcast(tf.constant(mine))) / local_replicas > 0.5
@@ -189,8 +205,16 @@ def fit_multi_worker(
                     agreed = decided
                 history["frozen_at_step"].append([i for i, f in enumerate(engine.frozen) if f])
             history["loss"].append(total / steps_per_epoch)
+            logs = {"loss": history["loss"][-1]}
+            if validation_data is not None:
+                x_val, y_val = validation_data
+                logs["val_loss"] = float(keras.ops.convert_to_numpy(loss(y_val, model(x_val, training=False))))
+            for key, value in logs.items():
+                epoch_loss.setdefault(key, []).append(value)
             if freezer is not None and chief:
-                freezer.on_epoch_end(epoch, {"loss": history["loss"][-1]})
+                freezer.on_epoch_end(epoch, dict(logs))
+            if user_callbacks is not None:
+                user_callbacks.on_epoch_end(epoch, dict(logs))
             if verbose:
                 print(f"epoch {epoch + 1}/{epochs}: loss {history['loss'][-1]:.4f}, "
                       f"frozen {engine.num_frozen}", flush=True)
@@ -199,9 +223,17 @@ def fit_multi_worker(
             freezer.on_train_end()
         else:
             engine.restore()
+        if user_callbacks is not None:
+            user_callbacks.on_train_end()
     history["seconds"] = time.perf_counter() - started
     history["steps"] = len(history["frozen_at_step"])
-    return history
+    del history["loss"]
+    return TrainingResult(
+        history=epoch_loss,
+        phases=[{"first_epoch": 0, "epochs": epochs, "steps_per_epoch": steps_per_epoch}],
+        details=history,
+        freezer=freezer.summary() if freezer is not None and chief else None,
+    )
 
 
 def _num_workers(strategy) -> int:

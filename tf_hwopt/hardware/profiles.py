@@ -169,6 +169,16 @@ def load_profile(name_or_path: str, *, calibrate: bool = False) -> HardwareProfi
     return profile
 
 
+def as_profile(profile: "HardwareProfile | str") -> HardwareProfile:
+    """`profile` itself, or the profile that `load_profile` finds by that name or path.
+
+    Example:
+    >>> as_profile("tpu-v5e").name
+    'tpu-v5e'
+    """
+    return load_profile(profile) if isinstance(profile, str) else profile
+
+
 def roofline_ms(flops: float, bytes_moved: float, profile: HardwareProfile, dtype: str = "bfloat16") -> float:
     """The roofline floor of one step: max(FLOPs / peak, bytes / bandwidth), in ms.
 

@@ -1,0 +1,738 @@
+"""`FreezingCallback`: the base of every freezing policy inside `model.fit`.
+
+One freezing mechanism, several policies. This base class owns what every
+policy shares: the module partition, the `FreezingEngine` (the only code that
+flips `trainable` and rebuilds the train function), the probe batch, step
+counting that works with `steps_per_execution`, evaluation scheduling, the
+history of measured values, the event list, the BatchNormalization fidelity
+check before a freeze, the FLOP accounting, the overhead clock, TensorBoard,
+`backup_dir` save and restore, stepping aside (one warning) when something
+fails, and handing the model back fully trainable at the end of `fit`.
+
+A subclass supplies a `FreezingPolicy` (`_make_policy`) and what to measure
+at each evaluation (`_measure`); the policy answers with a `Decision`. See
+`EgeriaCallback`, `FreezeOutCallback` and `GradientNormFreezeCallback`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import warnings
+from typing import Sequence
+
+import numpy as np
+
+import keras
+import tensorflow as tf
+
+from tf_hwopt import _internals
+from tf_hwopt._checks import check_positive_int
+from tf_hwopt._io import write_json_atomic
+from tf_hwopt.freezing.engine import FreezingEngine
+from tf_hwopt.freezing.modules import graph_kind, partition_modules
+from tf_hwopt.freezing.policy import Decision, FreezingPolicy
+from tf_hwopt.freezing.probe import ActivationReader, draw_probe
+
+def batch_norm_drift(x, moving_mean, moving_variance, *, axis=-1, epsilon: float = 1e-3) -> float:
+    """How far a BatchNormalization's moving statistics are from the batch's own.
+
+    For input `x` (a batch), the relative RMS difference between the layer's
+    normalized output under its batch statistics (training) and under its
+    moving statistics (inference, and once frozen). Per channel with batch
+    std `s_b`, moving std `s_m` and means `mu_b`, `mu_m`, the mean squared
+    difference of the two normalized outputs is
+    `(s_b / s_m - 1)^2 + ((mu_b - mu_m) / s_m)^2`; the result is the square
+    root of its mean over channels. 0 when the statistics agree.
+
+    Example:
+    >>> x = np.random.RandomState(0).normal(3.0, 2.0, (512, 4))
+    >>> round(batch_norm_drift(x, x.mean(0), x.var(0)), 6)
+    0.0
+    >>> batch_norm_drift(x, np.zeros(4), np.ones(4)) > 1   # statistics at init
+    True
+    """
+    x = np.asarray(x, np.float64)
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    axes = [a % x.ndim for a in axes]
+    reduce = tuple(a for a in range(x.ndim) if a not in axes)
+    mean_b = x.mean(axis=reduce)
+    std_b = np.sqrt(x.var(axis=reduce) + epsilon)
+    mean_m = np.asarray(moving_mean, np.float64).reshape(mean_b.shape)
+    std_m = np.sqrt(np.asarray(moving_variance, np.float64).reshape(mean_b.shape) + epsilon)
+    squared = (std_b / std_m - 1.0) ** 2 + ((mean_b - mean_m) / std_m) ** 2
+    return float(np.sqrt(np.mean(squared)))
+
+
+def timed(method):
+    """Adds the wall time spent in a callback hook to the callback's overhead.
+
+    Re-entrant: a timed hook calling another timed hook counts once.
+    """
+
+    def wrapper(self, *args, **kwargs):
+        if self._timing_depth:
+            return method(self, *args, **kwargs)
+        self._timing_depth += 1
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._timing_depth -= 1
+            self._overhead_seconds += time.perf_counter() - start
+
+    wrapper.__name__ = method.__name__
+    wrapper.__doc__ = method.__doc__
+    return wrapper
+
+
+_STATE_VERSION = 1
+_KEPT_SNAPSHOTS = 3
+
+
+class _ModuleCount(float):
+    """The `frozen_modules` entry of the Keras logs: a number that prints as a count.
+
+    Keras's progress bar formats every logged value with `%.4f` (or `%.4e`
+    near zero) after dividing it by 1; this float keeps its type through that
+    division and formats as an integer, so the bar shows `frozen_modules: 2`.
+    Everything else (History, CSVLogger, TensorBoard) sees a plain number.
+    """
+
+    def __truediv__(self, other):
+        return _ModuleCount(float(self) / other)
+
+    def __format__(self, spec):
+        return str(int(round(self)))
+
+
+class FreezingCallback(keras.callbacks.Callback):
+    """Base class of the freezing callbacks (subclass it for a new policy).
+
+    Subclasses implement `_make_policy()` (a `FreezingPolicy`, built once the
+    modules are known) and `_measure()` (the values fed to the policy at an
+    evaluation, one per module, or None to skip it). They may override
+    `_setup(first_fit)`, `_after_evaluation(decision)`, `_teardown()`,
+    `_extra_state()`/`_load_extra_state(state)` and extend `summary()`.
+
+    Args:
+        probe_data: data to draw the fixed probe batch from, in a form
+            `model.fit` takes: inputs (NumPy arrays or a list/dict of them),
+            `(x, y)` for policies that need labels, or a `tf.data.Dataset`.
+            Default: the data passed to `fit`.
+        probe_size: examples in the probe batch.
+        modules: explicit partition, a list of lists of layer names front to
+            back (required for subclassed models). Default: automatic.
+        eval_every: steps between evaluations. Default: the policy's.
+        refresh_batch_norm: before a module freezes, set its
+            BatchNormalization layers' moving statistics to those of their
+            input on the probe batch, so that the frozen module computes what
+            training computed (see `_freeze`).
+        log_dir: if set, TensorBoard scalars are written there.
+        backup_dir: if set, the policy's state is saved there at each epoch
+            end and restored when `fit` resumes (pass the `backup_dir` of
+            your `keras.callbacks.BackupAndRestore`).
+        seed: seed of the probe batch choice.
+        verbose: 1 prints each freeze, 0 is silent.
+    """
+
+    #: The file in `backup_dir` that holds this callback's state.
+    STATE_FILE = "freezing_state.json"
+    #: The name of the measured values in history and TensorBoard.
+    VALUE_NAME = "value"
+    #: The TensorBoard tag prefix of this policy's scalars.
+    TAG = "freezing"
+    #: Whether the probe batch needs labels (`(x, y)`).
+    LABELLED_PROBE = False
+
+    def __init__(
+        self,
+        probe_data=None,
+        *,
+        probe_size: int = 256,
+        modules: Sequence[Sequence[str]] | None = None,
+        eval_every: int | None = None,
+        refresh_batch_norm: bool = True,
+        log_dir: str | None = None,
+        backup_dir: str | None = None,
+        seed: int = 0,
+        verbose: int = 1,
+    ):
+        super().__init__()
+        if modules is not None and (isinstance(modules, (str, bytes)) or len(modules) < 2):
+            raise ValueError(
+                "`modules` must list at least 2 modules (lists of layer names), front "
+                f"to back; the last is the head, which never freezes. Received: modules={modules!r}"
+            )
+        check_positive_int("probe_size", probe_size)
+        if probe_size < 2:
+            raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
+        check_positive_int("eval_every", eval_every, allow_none=True)
+        if not isinstance(refresh_batch_norm, bool):
+            raise ValueError(f"`refresh_batch_norm` must be True or False. Received: {refresh_batch_norm!r}")
+        self.probe_data = probe_data
+        self.probe_size = probe_size
+        self.module_names = modules
+        self.eval_every = eval_every
+        self.refresh_batch_norm = refresh_batch_norm
+        self.log_dir = log_dir
+        self.backup_dir = backup_dir
+        self.seed = seed
+        self.verbose = verbose
+
+        self.modules = None
+        self.engine: FreezingEngine | None = None
+        self.policy: FreezingPolicy | None = None
+        self.events: list[dict] = []
+        self.history: list[dict] = []
+        self.evaluations = 0
+        self.skipped_evaluations = 0
+        # Set when the callback stepped aside (it cannot handle this model):
+        # training goes on, nothing more is frozen.
+        self.disabled_reason: str | None = None
+        self._fit_data = None
+        self._probe = None
+        self._writer = None
+        self._step = 0
+        self._epoch = 0
+        self._last_batch = -1
+        self._next_eval = None
+        self._eval_every = None
+        self._frozen_flops_steps = 0.0
+        self._timing_depth = 0
+        self._overhead_seconds = 0.0
+        self._wall_start = None
+        self._wall_seconds = 0.0
+        self._final = None
+        self._resume_checked = False
+        self._setup_pending = False
+        self._batch_norm_readers: dict = {}
+        # Modules frozen when the last fit ended, frozen again by the next fit.
+        self._frozen_between_fits: list[int] = []
+
+    # ----------------------------------------------------------- subclass API
+
+    def _make_policy(self) -> FreezingPolicy:
+        """The policy, once `self.modules` and the fit's length are known."""
+        raise NotImplementedError
+
+    def _measure(self) -> Sequence[float] | None:
+        """The values fed to the policy at this evaluation (None: skip it)."""
+        return ()
+
+    def _default_eval_every(self) -> int:
+        """Steps between evaluations when `eval_every` is None: a quarter epoch (200 if unknown)."""
+        steps = self.steps_per_epoch
+        return max(1, steps // 4) if steps else 200
+
+    def _setup(self, first_fit: bool) -> None:
+        """Called at train begin, once modules, engine and policy exist."""
+
+    def _after_evaluation(self, decision: Decision | None) -> None:
+        """Called after each evaluation (`decision` is None when it was skipped)."""
+
+    def _teardown(self) -> None:
+        """Called at train end (release threads, files...)."""
+
+    def _extra_state(self) -> dict:
+        """What a subclass saves with the policy's state in `backup_dir`."""
+        return {}
+
+    def _load_extra_state(self, state: dict) -> None:
+        """Restores what `_extra_state` saved."""
+
+    def _after_restore(self) -> None:
+        """Called once the state was restored from `backup_dir` and the frozen modules frozen again."""
+
+    def provide_data(self, x, y=None) -> None:
+        """Hands the callback the training data of a fit that does not run through `model.fit`.
+
+        Drivers such as `fit_with_cache` and `fit_multi_worker` call it so that
+        the probe batch comes from the data being trained on, as it would in
+        `model.fit`. An explicit `probe_data` still wins.
+        """
+        self._fit_data = (x, y)
+
+    @property
+    def probe(self):
+        """The fixed probe batch: inputs, or `(x, y)` for a policy that needs labels."""
+        if self._probe is None:
+            self._probe = self._draw_probe()
+        return self._probe
+
+    @property
+    def probe_inputs(self):
+        """The probe batch's inputs."""
+        return self.probe[0] if self.LABELLED_PROBE else self.probe
+
+    def _draw_probe(self):
+        try:
+            input_ndim = len(self.model.inputs[0].shape)
+        except (AttributeError, ValueError, IndexError, TypeError):
+            input_ndim = None
+        data = self.probe_data
+        if data is None and self._fit_data is not None:
+            data = self._fit_data if self.LABELLED_PROBE else self._fit_data[0]
+        if data is None:
+            x = _internals.fit_argument(self.model, "x")
+            if x is None:
+                raise ValueError(
+                    f"{type(self).__name__} could not find the training data of this fit; pass `probe_data=`."
+                )
+            y = _internals.fit_argument(self.model, "y")
+            data = (x, y) if self.LABELLED_PROBE and y is not None else x
+        if self.LABELLED_PROBE and not (isinstance(data, tuple) and len(data) == 2) and not isinstance(
+            data, tf.data.Dataset
+        ):
+            raise ValueError(
+                f"{type(self).__name__} needs labelled probe data: pass `probe_data=(x, y)` "
+                "or a tf.data.Dataset of (x, y)."
+            )
+        return draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE)
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps per epoch of this fit, when Keras knows it."""
+        return self.params.get("steps") if self.params else None
+
+    @property
+    def total_steps(self) -> int | None:
+        """Training steps this fit will run, when Keras knows it."""
+        epochs = self.params.get("epochs") if self.params else None
+        return self.steps_per_epoch * epochs if self.steps_per_epoch and epochs else None
+
+    def _resolve_bootstrap(self, value: int | None) -> int:
+        """`value`, or 10% of training and at least one epoch (0 when unknown)."""
+        if value is not None:
+            return value
+        return max(self.steps_per_epoch, int(0.1 * self.total_steps)) if self.total_steps else 0
+
+    # ------------------------------------------------------------ evaluation
+
+    def _after_step(self) -> None:
+        if self._step < self._next_eval or self.policy.settled:
+            return
+        while self._next_eval <= self._step:
+            self._next_eval += self._eval_every
+        self._evaluate()
+
+    def _evaluate(self) -> None:
+        self.evaluations += 1
+        values = self._measure()
+        decision = None
+        if values is not None:
+            k = self.policy.num_frozen
+            decision = self.policy.observe(self._step, values, self._learning_rate())
+            if len(values):
+                self.history.append(
+                    {
+                        "step": self._step,
+                        "epoch": self._epoch,
+                        self.VALUE_NAME: [float(v) if math.isfinite(v) else None for v in values],
+                        "frozen": k,
+                    }
+                )
+            self._apply(decision)
+            if self._writer is not None and len(values):
+                with self._writer.as_default(step=self._step):
+                    for i, value in enumerate(values):
+                        if math.isfinite(value):
+                            tf.summary.scalar(f"{self.TAG}/{self.VALUE_NAME}/module_{i}", value)
+                    tf.summary.scalar(f"{self.TAG}/frozen_modules", self.engine.num_frozen)
+        self._after_evaluation(decision)
+
+    def _learning_rate(self) -> float | None:
+        try:
+            return float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+        except (AttributeError, TypeError, ValueError):
+            return None
+
+    def _apply(self, decision: Decision) -> None:
+        if decision.skipped:
+            self.skipped_evaluations += 1
+            warnings.warn(
+                f"{type(self).__name__}: {decision.reason} at step {self._step}; this evaluation "
+                "cannot lead to a freeze.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        details = dict(decision.details)
+        if decision.window:
+            details["window"] = [float(v) for v in decision.window]
+        if decision.relative_slope is not None:
+            details["relative_slope"] = decision.relative_slope
+        if decision.unfreeze:
+            changed = self.engine.unfreeze(decision.unfreeze)
+            self._record("unfreeze", changed, decision.reason, details)
+        if decision.freeze:
+            self._freeze(decision.freeze, decision.reason, **details)
+
+    # ---------------------------------------------------------------- freezing
+
+    def _freeze(self, indices, reason: str, **details) -> tuple:
+        """Freezes `indices` (front to back); returns the modules frozen.
+
+        A frozen BatchNormalization normalizes with its moving statistics
+        instead of the batch's. Early in training those still lag behind (a
+        momentum of 0.99 forgets slowly), and a module frozen with them
+        computes something else than what training has been computing: seen
+        to collapse training accuracy from 66% to 10%. So, unless
+        `refresh_batch_norm=False`, each BatchNormalization of a module about
+        to freeze first gets the statistics of its input on the probe batch
+        (front to back, each read after the ones before it were refreshed);
+        how far they were (`batch_norm_drift`) is recorded with the event.
+        """
+        drifts = {i: self._refresh_batch_norm(i) if self.refresh_batch_norm else None for i in indices}
+        changed = self.engine.freeze(indices)
+        for i in changed:
+            extra = {} if drifts[i] is None else {"batch_norm_drift": drifts[i]}
+            self._record("freeze", (i,), reason, {**details, **extra})
+        return changed
+
+    def _refresh_batch_norm(self, index: int) -> float | None:
+        """Sets module `index`'s BatchNormalization moving statistics to the probe's; returns the largest drift."""
+        layers = [
+            layer
+            for layer in self.modules[index].layers
+            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+        ]
+        if not layers:
+            return None
+        try:
+            probe = self.probe_inputs
+        except ValueError:
+            return None  # no probe data: nothing to refresh from
+        if index not in self._batch_norm_readers:
+            self._batch_norm_readers[index] = ActivationReader(self.model, layers, capture="inputs")
+        reader = self._batch_norm_readers[index]
+        drifts = []
+        for j, layer in enumerate(layers):
+            x = np.asarray(reader(probe)[j], np.float64)
+            axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
+            axes = [a % x.ndim for a in axes]
+            reduce = tuple(a for a in range(x.ndim) if a not in axes)
+            mean, var = x.mean(axis=reduce), x.var(axis=reduce)
+            moving_mean = keras.ops.convert_to_numpy(layer.moving_mean)
+            moving_variance = keras.ops.convert_to_numpy(layer.moving_variance)
+            drifts.append(batch_norm_drift(x, moving_mean, moving_variance, axis=layer.axis, epsilon=layer.epsilon))
+            layer.moving_mean.assign(mean.reshape(moving_mean.shape).astype(moving_mean.dtype))
+            layer.moving_variance.assign(var.reshape(moving_variance.shape).astype(moving_variance.dtype))
+        return float(max(drifts))
+
+    def _record(self, kind, indices, reason, details) -> None:
+        for i in indices:
+            event = {
+                "kind": kind,
+                "module": i,
+                "module_name": self.modules[i].name,
+                "step": self._step,
+                "epoch": self._epoch,
+                "reason": reason,
+                **details,
+            }
+            self.events.append(event)
+            if self.verbose:
+                # Same epoch number as `events` and Keras's logs (0-based),
+                # on a line of its own after the progress bar's.
+                print(
+                    f"{type(self).__name__}: {kind} module {i} ({self.modules[i].name}) at step "
+                    f"{self._step} (epoch {self._epoch}): {reason}",
+                    flush=True,
+                )
+
+    # ------------------------------------------------------------ Keras hooks
+
+    @timed
+    def on_train_begin(self, logs=None):
+        self._wall_start = time.perf_counter()
+        self._final = None
+        if getattr(self.model, "optimizer", None) is None:
+            raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
+        if self.module_names is None and graph_kind(self.model) == "subclassed":
+            raise ValueError(
+                f"{type(self).__name__}: model {self.model.name!r} is a subclassed model, whose layer "
+                "graph cannot be inspected. Pass `modules`, a list of lists of its layer names "
+                "ordered front to back, e.g. modules=[['conv1', 'bn1'], ['block1'], ['head']]."
+            )
+        if self.disabled_reason is not None:
+            return
+        # Keras builds an unbuilt (subclassed) model in its first training
+        # step: the partition waits for it.
+        self._setup_pending = not self.model.built
+        if not self._setup_pending:
+            self._start()
+
+    def _start(self) -> None:
+        """Partition, engine, policy and the subclass's setup, once the model is built."""
+        self._setup_pending = False
+        first_fit = self.modules is None
+        if first_fit:
+            sample = self.probe_inputs if graph_kind(self.model) == "subclassed" else None
+            self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
+        self.engine = FreezingEngine(self.model, self.modules)
+        self._batch_norm_readers = {}
+        if self.log_dir and self._writer is None:
+            self._writer = tf.summary.create_file_writer(self.log_dir)
+        try:
+            if first_fit:
+                self.policy = self._make_policy()
+            self._setup(first_fit)
+        except ValueError:
+            raise  # a bad argument or bad data: the user's to fix, before training time is spent
+        except Exception as err:  # noqa: BLE001 - whatever else fails, fit goes on
+            self._disable(f"setup failed ({type(err).__name__}: {_first_line(err)})")
+            return
+        self._eval_every = self.eval_every or self._default_eval_every()
+        self._next_eval = self._step + self._eval_every
+        self._resume_checked = False
+        # A callback reused for another fit (e.g. one fit per phase) carries on
+        # with what it had frozen: no step of the next fit trains those modules.
+        self.engine.freeze([i for i in self._frozen_between_fits if not self.engine.frozen[i]])
+
+    def _disable(self, cause: str) -> None:
+        """Steps aside for the rest of training, with one warning naming the cause."""
+        if self.disabled_reason is not None:
+            return
+        self.disabled_reason = cause
+        warnings.warn(
+            f"{type(self).__name__} stopped: {cause}. Training goes on without further freezing"
+            + (f" ({self.engine.num_frozen} module(s) stay frozen)." if self.engine and self.engine.num_frozen else "."),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    @property
+    def active(self) -> bool:
+        """Whether the callback is set up and has not stepped aside."""
+        return self.engine is not None and self.disabled_reason is None and not self._setup_pending
+
+    @timed
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._last_batch = -1
+        if not self._resume_checked and self.active:
+            self._resume_checked = True
+            if epoch > 0 and self.backup_dir:
+                self._restore(epoch)
+
+    @timed
+    def on_train_batch_end(self, batch, logs=None):
+        # With steps_per_execution > 1, Keras reports the last step of each execution.
+        done = batch - self._last_batch if batch > self._last_batch else batch + 1
+        self._last_batch = batch
+        self._step += done
+        if self._setup_pending and self.disabled_reason is None:
+            self._start()
+        if self.engine is None:
+            return
+        share = self.engine.frozen_flops_fraction()
+        if share is not None:
+            self._frozen_flops_steps += share * done
+        if self.active:
+            try:
+                self._after_step()
+            except Exception as err:  # noqa: BLE001 - a failure of ours never ends fit
+                self._disable(f"{type(err).__name__} at step {self._step}: {_first_line(err)}")
+        if logs is not None:
+            logs["frozen_modules"] = _ModuleCount(self.engine.num_frozen)
+
+    @timed
+    def on_epoch_end(self, epoch, logs=None):
+        if self.engine is None:
+            return
+        if logs is not None:
+            logs["frozen_modules"] = _ModuleCount(self.engine.num_frozen)
+        if self._writer is not None:
+            with self._writer.as_default(step=self._step):
+                tf.summary.scalar("freezing/frozen_modules", self.engine.num_frozen)
+        if self.backup_dir and self.policy is not None:
+            self._save(epoch + 1)
+
+    @timed
+    def on_train_end(self, logs=None):
+        self._wall_seconds += time.perf_counter() - self._wall_start
+        self._teardown()
+        if self.engine is None:
+            return
+        self._final = self._frozen_state()
+        self._frozen_between_fits = [i for i, f in enumerate(self.engine.frozen) if f]
+        self.engine.restore()
+        if self._writer is not None:
+            self._writer.flush()
+
+    # ----------------------------------------------------------------- resume
+
+    def _state_path(self) -> str:
+        return os.path.join(self.backup_dir, self.STATE_FILE)
+
+    def _snapshot(self) -> dict:
+        return {
+            "policy": self.policy.get_state(),
+            "step": self._step,
+            "evaluations": self.evaluations,
+            "events": self.events,
+            "history": self.history,
+            "skipped_evaluations": self.skipped_evaluations,
+            "frozen_flops_steps": self._frozen_flops_steps,
+            "extra": self._extra_state(),
+        }
+
+    def _read_state(self) -> dict | None:
+        path = self._state_path()
+        if not os.path.exists(path):
+            return None
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            if state.get("version") != _STATE_VERSION or not isinstance(state.get("snapshots"), dict):
+                raise ValueError("unknown layout")
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"{type(self).__name__} state file {path!r} is corrupted or not a freezing state ({err}). "
+                "It was left untouched; move it away to restart the freezing decisions from scratch."
+            ) from err
+        return state
+
+    def _save(self, next_epoch: int) -> None:
+        os.makedirs(self.backup_dir, exist_ok=True)
+        state = self._read_state() or {"version": _STATE_VERSION, "snapshots": {}}
+        state["num_modules"] = len(self.modules)
+        state["module_layers"] = [m.layer_names for m in self.modules]
+        state["snapshots"][str(next_epoch)] = self._snapshot()
+        keep = sorted(state["snapshots"], key=int)[-_KEPT_SNAPSHOTS:]
+        state["snapshots"] = {k: state["snapshots"][k] for k in keep}
+        # Atomic: a kill during the write leaves the previous file intact.
+        write_json_atomic(state, self._state_path(), indent=None)
+
+    def _restore(self, epoch: int) -> None:
+        state = self._read_state()
+        if state is None:
+            warnings.warn(
+                f"{type(self).__name__}: fit resumes at epoch {epoch + 1} but {self._state_path()!r} has no "
+                "saved state; freezing decisions start from scratch.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        if state.get("module_layers") != [m.layer_names for m in self.modules]:
+            raise ValueError(
+                f"{type(self).__name__} state file {self._state_path()!r} was saved for other modules "
+                f"({state.get('module_layers')}); this model's modules are "
+                f"{[m.layer_names for m in self.modules]}."
+            )
+        usable = [int(k) for k in state["snapshots"] if int(k) <= epoch]
+        if not usable:
+            return
+        snap = state["snapshots"][str(max(usable))]
+        self.policy.set_state(snap["policy"])
+        self._step = int(snap["step"])
+        self.evaluations = int(snap["evaluations"])
+        self.events = list(snap["events"])
+        self.history = list(snap["history"])
+        self.skipped_evaluations = int(snap["skipped_evaluations"])
+        self._frozen_flops_steps = float(snap["frozen_flops_steps"])
+        self._load_extra_state(snap.get("extra", {}))
+        self._next_eval = self._step + self._eval_every
+        self.engine.freeze_prefix(self.policy.num_frozen)
+        self._after_restore()
+        if self.verbose:
+            print(
+                f"{type(self).__name__}: resumed at epoch {epoch + 1} with {self.policy.num_frozen} frozen module(s).",
+                flush=True,
+            )
+
+    # ----------------------------------------------------------------- report
+
+    def _frozen_state(self) -> dict:
+        """Frozen modules and their FLOPs share: at the end of fit, or now."""
+        if self._final is not None:
+            return self._final
+        return {
+            "frozen_modules": self.engine.num_frozen,
+            "frozen_flops_fraction": self.engine.frozen_flops_fraction(),
+        }
+
+    @property
+    def frozen_prefix(self) -> int:
+        """Consecutive frozen modules from the front: now during fit, or at the end of the last fit."""
+        if self.engine is None:
+            return 0
+        if self._final is None:
+            return self.engine.frozen_prefix
+        k = 0
+        while k in self._frozen_between_fits:
+            k += 1
+        return k
+
+    @property
+    def num_frozen(self) -> int:
+        """Modules frozen now (during fit) or at the end of the last fit."""
+        return self._frozen_state()["frozen_modules"] if self.engine is not None else 0
+
+    def summary(self) -> dict:
+        """What the callback did, as a JSON-serialisable dict.
+
+        Keys: `modules` (layers, parameters, share of forward FLOPs);
+        `frozen_modules` at the end; `events`; `backward_flops_skipped_fraction`
+        (averaged over all training steps) and
+        `final_backward_flops_skipped_fraction`; `overhead_fraction` (share of
+        fit's wall time the training thread spent in this callback) and the
+        seconds behind it; `train_function_rebuilds`; `status`
+        (`"not started"`, `"active"` or `"disabled"`) and `disabled_reason`;
+        `eval_every`, `evaluations`, `skipped_evaluations`. Works at any time,
+        before `fit` too.
+        """
+        wall = self._wall_seconds or (time.perf_counter() - self._wall_start if self._wall_start else 0.0)
+        if self.modules is None or self.engine is None:
+            # Before fit, or a fit that never got as far as the partition.
+            return {
+                "strategy": type(self).__name__,
+                "status": "disabled" if self.disabled_reason else "not started",
+                "disabled_reason": self.disabled_reason,
+                "modules": [] if self.modules is None else [m.layer_names for m in self.modules],
+                "num_modules": 0 if self.modules is None else len(self.modules),
+                "frozen_modules": 0,
+                "events": list(self.events),
+                "steps": self._step,
+                "overhead_seconds": self._overhead_seconds,
+                "wall_seconds": wall,
+                "overhead_fraction": (self._overhead_seconds / wall) if wall else 0.0,
+            }
+        total_flops = sum(m.flops or 0.0 for m in self.modules)
+        final = self._frozen_state()
+        return {
+            "strategy": type(self).__name__,
+            "status": "disabled" if self.disabled_reason else "active",
+            "disabled_reason": self.disabled_reason,
+            "modules": [
+                {
+                    "index": m.index,
+                    "name": m.name,
+                    "layers": m.layer_names,
+                    "params": m.params,
+                    "flops_share": (m.flops / total_flops) if total_flops and m.flops is not None else None,
+                }
+                for m in self.modules
+            ],
+            "num_modules": len(self.modules),
+            "frozen_modules": final["frozen_modules"],
+            "events": self.events,
+            "steps": self._step,
+            "backward_flops_skipped_fraction": (self._frozen_flops_steps / self._step) if self._step else 0.0,
+            "final_backward_flops_skipped_fraction": final["frozen_flops_fraction"],
+            "overhead_seconds": self._overhead_seconds,
+            "wall_seconds": wall,
+            "overhead_fraction": (self._overhead_seconds / wall) if wall else 0.0,
+            "train_function_rebuilds": self.engine.rebuilds,
+            "eval_every": self._eval_every or self.eval_every,
+            "evaluations": self.evaluations,
+            "skipped_evaluations": self.skipped_evaluations,
+        }
+
+
+def _first_line(err: BaseException, limit: int = 300) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:limit] if lines else ""

@@ -1,0 +1,183 @@
+"""The probe batch and reading activations of chosen layers on it.
+
+Every freezing policy looks at the model on a fixed *probe* batch drawn once
+from the training data: Egeria compares module outputs with its reference,
+the BatchNormalization drift check reads normalization inputs, the
+gradient-norm peer takes gradients on it. This module draws the batch in any
+form `model.fit` takes (`draw_probe`) and reads chosen layers' outputs or
+inputs on it (`ActivationReader`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_hwopt._layer_hooks import hooked_calls
+
+
+class ActivationReader:
+    """Reads the output (or input) of chosen layers of a Keras 3 model on a batch.
+
+    Works for Functional, Sequential and subclassed models alike: while the
+    forward function is traced, a hook on each chosen layer's `call` records
+    its output (or its first input), and the traced function returns them as
+    float32. The trace is reused afterwards (weights are read at run time,
+    never copied). The model runs in inference mode.
+
+    Args:
+        model: the Keras model.
+        layers: the layers to read, in the order of the returned list.
+        capture: `"outputs"` or `"inputs"`.
+
+    Example:
+    >>> reader = ActivationReader(model, [m.output_layer for m in modules])
+    >>> activations = reader(probe_x)   # list of float32 NumPy arrays
+    """
+
+    def __init__(self, model, layers: Sequence, *, capture: str = "outputs"):
+        if capture not in ("outputs", "inputs"):
+            raise ValueError(f"`capture` must be 'outputs' or 'inputs'. Received: capture={capture!r}")
+        self._model = model
+        self._layers = list(layers)
+        captured: dict[int, object] = {}
+
+        def record(i, call, args, kwargs):
+            out = call(*args, **kwargs)
+            captured[i] = out if capture == "outputs" else args[0]
+            return out
+
+        def forward(x):
+            captured.clear()
+            # A parent scope: a model named "_x" is no valid root scope name.
+            with hooked_calls(self._layers, record), tf.name_scope("egeria_probe"):
+                model(x, training=False)
+            missing = [self._layers[i].name for i in range(len(self._layers)) if i not in captured]
+            if missing:
+                raise ValueError(f"Layers {missing} were not called by the model's forward pass.")
+            return [tf.cast(captured[i], tf.float32) for i in range(len(self._layers))]
+
+        self._forward = tf.function(forward, reduce_retracing=True)
+
+    def __call__(self, x) -> list[np.ndarray]:
+        return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]
+
+
+def conform_inputs(model, x):
+    """`x` with integer ids fed to a float `Input` cast to its dtype, as `model.predict` takes it.
+
+    Only NumPy arrays and tensors in the structure of `model.inputs` are
+    touched; models without symbolic inputs (subclassed) get `x` unchanged.
+    """
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        return x
+    if isinstance(x, dict):
+        by_name = {t.name: t.dtype for t in inputs}
+        return {k: _cast_to(v, by_name.get(k)) for k, v in x.items()}
+    flat = keras.tree.flatten(x)
+    if len(flat) != len(inputs):
+        return x
+    cast = [_cast_to(a, t.dtype) for a, t in zip(flat, inputs)]
+    return keras.tree.pack_sequence_as(x, cast)
+
+
+def _cast_to(a, dtype):
+    """Integer or bool data cast to a float input's dtype (NumPy), else `a` unchanged."""
+    if dtype is None or not hasattr(a, "dtype"):
+        return a
+    want = keras.backend.standardize_dtype(dtype)
+    have = keras.backend.standardize_dtype(a.dtype)
+    if "float" not in want or "float" in have:
+        return a
+    return np.asarray(a).astype(want if want != "bfloat16" else "float32")
+
+
+def _num_examples(x) -> int:
+    sizes = {int(np.shape(a)[0]) for a in keras.tree.flatten(x)}
+    if len(sizes) != 1:
+        raise ValueError(f"The inputs' first dimensions differ: {sorted(sizes)}.")
+    return sizes.pop()
+
+
+def _to_numpy(x):
+    return keras.tree.map_structure(np.asarray, x)
+
+
+def take(x, index):
+    """`x[index]` for an array or each array of a list/dict of them."""
+    return keras.tree.map_structure(lambda a: a[index], x)
+
+
+def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None, labelled: bool = False):
+    """Draws the fixed probe batch from training data.
+
+    Args:
+        data: the model's inputs (NumPy arrays or tensors, or a list/dict
+            of them, as `fit` takes `x`), or a `tf.data.Dataset` yielding `x`
+            or `(x, y, ...)`, batched or not. With `labelled=True`: `(x, y)`,
+            or a dataset yielding `(x, y, ...)`.
+        size: number of examples in the probe batch.
+        seed: seed of the random choice among array examples. The choice uses
+            NumPy's own generator, so it never moves TensorFlow's random state
+            (the training data order stays what it would be without us).
+        input_ndim: rank of the model's (first) input including the batch
+            axis, to tell batched from unbatched dataset elements.
+        labelled: return `(x, y)` instead of the inputs alone.
+
+    Returns:
+        The probe inputs (or `(x, y)`), with `size` examples.
+
+    Raises:
+        ValueError: `size` larger than the data, or data of an unsupported kind.
+
+    Example:
+    >>> probe = draw_probe(x_train, 256)            # 256 examples, always the same ones
+    >>> x, y = draw_probe((x_train, y_train), 64, labelled=True)
+    """
+    if isinstance(data, tf.data.Dataset):
+        return _probe_from_dataset(data, size, input_ndim, labelled)
+    try:
+        data = _to_numpy(data)
+        n = _num_examples(data)
+    except (TypeError, ValueError, IndexError) as err:
+        raise ValueError(
+            "Cannot draw the probe batch from training data of type "
+            f"{type(data).__name__}. Pass `probe_data=` (NumPy inputs, (x, y) or a "
+            "tf.data.Dataset) to the callback."
+        ) from err
+    if size > n:
+        raise ValueError(
+            f"`probe_size`={size} is larger than the training data ({n} examples). "
+            "Pass a smaller probe_size."
+        )
+    idx = np.sort(np.random.RandomState(seed).choice(n, size, replace=False))
+    return take(data, idx)
+
+
+def _probe_from_dataset(dataset, size, input_ndim, labelled):
+    chunks, total = [], 0
+    for element in dataset:
+        if labelled:
+            x = _to_numpy(tuple(element[:2]))
+            first = keras.tree.flatten(x[0])[0]
+        else:
+            x = _to_numpy(element[0] if isinstance(element, tuple) else element)
+            first = keras.tree.flatten(x)[0]
+        if input_ndim is not None and first.ndim == input_ndim - 1:
+            x = take(x, np.newaxis)  # unbatched elements
+        chunks.append(x)
+        total += _num_examples(x)
+        if total >= size:
+            break
+    if total < size:
+        raise ValueError(
+            f"`probe_size`={size} is larger than the training data ({total} examples "
+            "in the dataset). Pass a smaller probe_size."
+        )
+    joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *chunks)
+    return take(joined, slice(0, size))
