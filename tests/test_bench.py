@@ -171,7 +171,11 @@ def test_search_benchmark_tiny_run_is_complete(tmp_path):
     assert saved["grid_over_budget_fraction"] >= 0.5
     assert set(saved["searches"]) == {"latency_aware", "random+filter", "bayesian+filter"}
     for name, s in saved["searches"].items():
-        assert s["trials"] == 3 and s["wall_time_s"] > 0
+        # On a 4-point grid the latency-aware oracle may run out of candidates
+        # that are neither measured over budget nor dominated by one: which
+        # ones are over budget depends on this host's measured step times.
+        expected = range(1, 4) if name == "latency_aware" else [3]
+        assert s["trials"] in expected and s["wall_time_s"] > 0
         if s["best_in_budget"] is not None:
             assert s["best_in_budget"]["latency_ms"] <= saved["budget_ms"]
     ours = saved["searches"]["latency_aware"]
