@@ -58,8 +58,10 @@ class EgeriaCallback(FreezingCallback):
             the model can be rebuilt for it, else a clone with int8 weights;
             the reason is in `summary()["reference_reason"]`), `"tfmot"` or
             `"int8-weights"` (forced; a failure stops Egeria, not `fit`).
-        asynchronous: build and run the reference model on a background
-            thread on the host CPU. `"auto"` (default): only when training
+        asynchronous: refresh (re-quantize and run) the reference model on a
+            background thread on the host CPU; it is built on the training
+            thread at train begin, so that a model it cannot handle is known
+            at once. `"auto"` (default): only when training
             runs on a GPU or TPU, whose host CPUs are otherwise idle; on a
             CPU-only host the training step already uses every core, and a
             background thread would slow it down more than it saves.
