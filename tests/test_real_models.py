@@ -402,3 +402,25 @@ def test_aggressive_freezing_does_not_collapse_a_batch_norm_network(mnist1d_smal
     stem_bn = [layer for layer in refreshed.modules[0].layers if isinstance(layer, keras.layers.BatchNormalization)][0]
     stem_in = ActivationReader(model, [stem_bn], capture="inputs")(refreshed.probe)[0]
     assert batch_norm_drift(stem_in, stem_bn.moving_mean.numpy(), stem_bn.moving_variance.numpy()) < 0.05
+
+
+def test_a_generator_input_without_probe_data_steps_aside_and_fit_goes_on():
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            x, y = R.vector_data(32, seed=i)
+            return x, y
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    egeria = loose()
+    with pytest.warns(RuntimeWarning, match="no probe batch.*probe_data"):
+        history = model.fit(Batches(), epochs=2, callbacks=[egeria], verbose=0)
+    assert len(history.history["loss"]) == 2 and egeria.summary()["status"] == "disabled"
+    # Given probe data, the same input trains with Egeria.
+    egeria = loose(probe_data=R.vector_data(64)[0])
+    model.fit(Batches(), epochs=2, callbacks=[egeria], verbose=0)
+    assert egeria.summary()["status"] == "active" and egeria.summary()["frozen_modules"] >= 1

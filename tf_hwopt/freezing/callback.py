@@ -92,6 +92,10 @@ _STATE_VERSION = 1
 _KEPT_SNAPSHOTS = 3
 
 
+class _ProbeUnavailable(ValueError):
+    """No probe batch can be drawn from the data `fit` was given (and none was passed)."""
+
+
 class _ModuleCount(float):
     """The `frozen_modules` entry of the Keras logs: a number that prints as a count.
 
@@ -273,24 +277,28 @@ class FreezingCallback(keras.callbacks.Callback):
         except (AttributeError, ValueError, IndexError, TypeError):
             input_ndim = None
         data = self.probe_data
+        explicit = data is not None
         if data is None and self._fit_data is not None:
             data = self._fit_data if self.LABELLED_PROBE else self._fit_data[0]
         if data is None:
             x = _internals.fit_argument(self.model, "x")
             if x is None:
-                raise ValueError(
-                    f"{type(self).__name__} could not find the training data of this fit; pass `probe_data=`."
-                )
+                raise _ProbeUnavailable("the training data of this fit could not be found")
             y = _internals.fit_argument(self.model, "y")
             data = (x, y) if self.LABELLED_PROBE and y is not None else x
-        if self.LABELLED_PROBE and not (isinstance(data, tuple) and len(data) == 2) and not isinstance(
-            data, tf.data.Dataset
-        ):
-            raise ValueError(
-                f"{type(self).__name__} needs labelled probe data: pass `probe_data=(x, y)` "
-                "or a tf.data.Dataset of (x, y)."
+        try:
+            if self.LABELLED_PROBE and not (isinstance(data, tuple) and len(data) == 2) and not isinstance(
+                data, tf.data.Dataset
+            ):
+                raise ValueError("labelled probe data is needed: `probe_data=(x, y)` or a tf.data.Dataset of (x, y)")
+            return draw_probe(
+                data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE
             )
-        return draw_probe(data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE)
+        except ValueError as err:
+            if explicit:
+                raise  # the user's own argument: a clear error before training time is spent
+            # Data `fit` takes but we cannot draw from (a generator, a PyDataset...).
+            raise _ProbeUnavailable(f"{err} Pass `probe_data=` (arrays or a tf.data.Dataset)") from err
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -403,7 +411,7 @@ class FreezingCallback(keras.callbacks.Callback):
             return None
         try:
             probe = self.probe_inputs
-        except ValueError:
+        except _ProbeUnavailable:
             return None  # no probe data: nothing to refresh from
         if index not in self._batch_norm_readers:
             self._batch_norm_readers[index] = ActivationReader(self.model, layers, capture="inputs")
@@ -470,7 +478,10 @@ class FreezingCallback(keras.callbacks.Callback):
         self._setup_pending = False
         first_fit = self.modules is None
         if first_fit:
-            sample = self.probe_inputs if graph_kind(self.model) == "subclassed" else None
+            try:
+                sample = self.probe_inputs if graph_kind(self.model) == "subclassed" else None
+            except _ProbeUnavailable:
+                sample = None  # FLOPs then stay unknown; the setup below reports the missing probe
             self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
         self.engine = FreezingEngine(self.model, self.modules)
         self._batch_norm_readers = {}
@@ -480,6 +491,9 @@ class FreezingCallback(keras.callbacks.Callback):
             if first_fit:
                 self.policy = self._make_policy()
             self._setup(first_fit)
+        except _ProbeUnavailable as err:
+            self._disable(f"no probe batch: {err}")
+            return
         except ValueError:
             raise  # a bad argument or bad data: the user's to fix, before training time is spent
         except Exception as err:  # noqa: BLE001 - whatever else fails, fit goes on
