@@ -97,6 +97,18 @@ class FreezeWatcher(keras.callbacks.Callback):
                 self.at_freeze[i] = [v.numpy().copy() for layer in self.freezer.modules[i].layers for v in layer.weights]
 
 
+class CrashAfterFirstFreeze(keras.callbacks.Callback):
+    """Ends fit at the first epoch end after a freeze, as a preemption would."""
+
+    def __init__(self, freezer):
+        super().__init__()
+        self.freezer = freezer
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.freezer.events:
+            raise RuntimeError("simulated preemption")
+
+
 def module_values(freezer, i):
     return [v.numpy() for layer in freezer.modules[i].layers for v in layer.weights]
 

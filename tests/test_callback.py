@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import tf_hwopt
 from conftest import (
+    CrashAfterFirstFreeze,
     FreezeWatcher,
     assert_frozen_bit_identical_and_rest_trained,
     compile_model,
@@ -175,16 +176,6 @@ def test_logs_events_summary_tensorboard_and_plot(mnist1d_small, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-class _Crash(keras.callbacks.Callback):
-    def __init__(self, egeria):
-        super().__init__()
-        self.egeria = egeria
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.egeria.events:
-            raise RuntimeError("simulated preemption")
-
-
 def test_resume_with_backup_and_restore_keeps_frozen_set(mnist1d_small, tmp_path):
     x, y, _, _ = mnist1d_small
     backup = str(tmp_path / "backup")
@@ -193,7 +184,7 @@ def test_resume_with_backup_and_restore_keeps_frozen_set(mnist1d_small, tmp_path
     egeria = eager_freezing(backup_dir=backup, **settings)
     with pytest.raises(RuntimeError, match="simulated preemption"):
         model.fit(x[:256], y[:256], batch_size=32, epochs=6, callbacks=[
-            egeria, keras.callbacks.BackupAndRestore(backup), _Crash(egeria)], verbose=0)
+            egeria, keras.callbacks.BackupAndRestore(backup), CrashAfterFirstFreeze(egeria)], verbose=0)
     frozen_at_crash = egeria.policy.num_frozen
     windows_at_crash = [egeria.policy.window_of(i) for i in range(len(egeria.modules))]
     assert frozen_at_crash >= 1

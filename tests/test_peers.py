@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 import tf_hwopt
-from conftest import FreezeWatcher, assert_frozen_bit_identical_and_rest_trained, compile_model, small_resnet
+from conftest import (
+    CrashAfterFirstFreeze,
+    FreezeWatcher,
+    assert_frozen_bit_identical_and_rest_trained,
+    compile_model,
+    small_resnet,
+)
 from tf_hwopt.peers import GradientNormPolicy, freezeout_schedule, gradient_norm_change_rate
 
 
@@ -104,16 +110,6 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     assert_frozen_bit_identical_and_rest_trained(cb, watcher)
 
 
-class _CrashAfterFirstFreeze(keras.callbacks.Callback):
-    def __init__(self, freezer):
-        super().__init__()
-        self.freezer = freezer
-
-    def on_epoch_end(self, epoch, logs=None):
-        if self.freezer.events:
-            raise RuntimeError("simulated preemption")
-
-
 @pytest.mark.parametrize(
     "make",
     [
@@ -131,7 +127,7 @@ def test_peers_resume_after_an_interruption_with_their_state(make, mnist1d_small
     first = make(backup)
     with pytest.raises(RuntimeError, match="simulated preemption"):
         compile_model(small_resnet(seed=5)).fit(x[:320], y[:320], batch_size=32, epochs=6, callbacks=[
-            first, keras.callbacks.BackupAndRestore(backup), _CrashAfterFirstFreeze(first)], verbose=0)
+            first, keras.callbacks.BackupAndRestore(backup), CrashAfterFirstFreeze(first)], verbose=0)
     state_at_crash = first.policy.get_state()
     events_at_crash = list(first.events)
     assert state_at_crash["num_frozen"] >= 1
