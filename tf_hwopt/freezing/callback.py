@@ -295,7 +295,7 @@ class FreezingCallback(keras.callbacks.Callback):
                 data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE
             )
         except ValueError as err:
-            if explicit:
+            if explicit or "probe_size" in str(err):
                 raise  # the user's own argument: a clear error before training time is spent
             # Data `fit` takes but we cannot draw from (a generator, a PyDataset...).
             raise _ProbeUnavailable(f"{err} Pass `probe_data=` (arrays or a tf.data.Dataset)") from err
