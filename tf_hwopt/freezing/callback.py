@@ -4,8 +4,8 @@ One freezing mechanism, several policies. This base class owns what every
 policy shares: the module partition, the `FreezingEngine` (the only code that
 flips `trainable` and rebuilds the train function), the probe batch, step
 counting that works with `steps_per_execution`, evaluation scheduling, the
-history of measured values, the event list, the BatchNormalization fidelity
-check before a freeze, the FLOP accounting, the overhead clock, TensorBoard,
+history of measured values, the event list, the BatchNormalization refresh
+before a freeze, the FLOP accounting, the overhead clock, TensorBoard,
 `backup_dir` save and restore, stepping aside (one warning) when something
 fails, and handing the model back fully trainable at the end of `fit`.
 
@@ -34,7 +34,17 @@ from tf_hwopt._io import write_json_atomic
 from tf_hwopt.freezing.engine import FreezingEngine
 from tf_hwopt.freezing.modules import graph_kind, partition_modules
 from tf_hwopt.freezing.policy import Decision, FreezingPolicy
-from tf_hwopt.freezing.probe import ActivationReader, draw_probe
+from tf_hwopt.freezing.probe import ActivationReader, ProbeSizeError, draw_probe
+
+
+def _batch_moments(x, axis) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and (biased) variance of a batch, as BatchNormalization computes them."""
+    x = np.asarray(x, np.float64)
+    axes = [axis] if isinstance(axis, int) else list(axis)
+    axes = [a % x.ndim for a in axes]
+    reduce = tuple(a for a in range(x.ndim) if a not in axes)
+    return x.mean(axis=reduce), x.var(axis=reduce)
+
 
 def batch_norm_drift(x, moving_mean, moving_variance, *, axis=-1, epsilon: float = 1e-3) -> float:
     """How far a BatchNormalization's moving statistics are from the batch's own.
@@ -54,12 +64,12 @@ def batch_norm_drift(x, moving_mean, moving_variance, *, axis=-1, epsilon: float
     >>> batch_norm_drift(x, np.zeros(4), np.ones(4)) > 1   # statistics at init
     True
     """
-    x = np.asarray(x, np.float64)
-    axes = [axis] if isinstance(axis, int) else list(axis)
-    axes = [a % x.ndim for a in axes]
-    reduce = tuple(a for a in range(x.ndim) if a not in axes)
-    mean_b = x.mean(axis=reduce)
-    std_b = np.sqrt(x.var(axis=reduce) + epsilon)
+    mean_b, var_b = _batch_moments(x, axis)
+    return _drift_from_moments(mean_b, var_b, moving_mean, moving_variance, epsilon)
+
+
+def _drift_from_moments(mean_b, var_b, moving_mean, moving_variance, epsilon) -> float:
+    std_b = np.sqrt(var_b + epsilon)
     mean_m = np.asarray(moving_mean, np.float64).reshape(mean_b.shape)
     std_m = np.sqrt(np.asarray(moving_variance, np.float64).reshape(mean_b.shape) + epsilon)
     squared = (std_b / std_m - 1.0) ** 2 + ((mean_b - mean_m) / std_m) ** 2
@@ -294,9 +304,11 @@ class FreezingCallback(keras.callbacks.Callback):
             return draw_probe(
                 data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE
             )
+        except ProbeSizeError:
+            raise  # the user's own argument: a clear error before training time is spent
         except ValueError as err:
-            if explicit or "probe_size" in str(err):
-                raise  # the user's own argument: a clear error before training time is spent
+            if explicit:
+                raise  # the user's own argument, as above
             # Data `fit` takes but we cannot draw from (a generator, a PyDataset...).
             raise _ProbeUnavailable(f"{err} Pass `probe_data=` (arrays or a tf.data.Dataset)") from err
 
@@ -418,14 +430,10 @@ class FreezingCallback(keras.callbacks.Callback):
         reader = self._batch_norm_readers[index]
         drifts = []
         for j, layer in enumerate(layers):
-            x = np.asarray(reader(probe)[j], np.float64)
-            axes = [layer.axis] if isinstance(layer.axis, int) else list(layer.axis)
-            axes = [a % x.ndim for a in axes]
-            reduce = tuple(a for a in range(x.ndim) if a not in axes)
-            mean, var = x.mean(axis=reduce), x.var(axis=reduce)
+            mean, var = _batch_moments(reader(probe)[j], layer.axis)
             moving_mean = keras.ops.convert_to_numpy(layer.moving_mean)
             moving_variance = keras.ops.convert_to_numpy(layer.moving_variance)
-            drifts.append(batch_norm_drift(x, moving_mean, moving_variance, axis=layer.axis, epsilon=layer.epsilon))
+            drifts.append(_drift_from_moments(mean, var, moving_mean, moving_variance, layer.epsilon))
             layer.moving_mean.assign(mean.reshape(moving_mean.shape).astype(moving_mean.dtype))
             layer.moving_variance.assign(var.reshape(moving_variance.shape).astype(moving_variance.dtype))
         return float(max(drifts))

@@ -113,6 +113,10 @@ def take(x, index):
     return keras.tree.map_structure(lambda a: a[index], x)
 
 
+class ProbeSizeError(ValueError):
+    """`probe_size` asks for more examples than the data holds (the user's argument to fix)."""
+
+
 def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None, labelled: bool = False):
     """Draws the fixed probe batch from training data.
 
@@ -133,7 +137,8 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
         The probe inputs (or `(x, y)`), with `size` examples.
 
     Raises:
-        ValueError: `size` larger than the data, or data of an unsupported kind.
+        ProbeSizeError: `size` larger than the data.
+        ValueError: data of an unsupported kind.
 
     Example:
     >>> probe = draw_probe(x_train, 256)            # 256 examples, always the same ones
@@ -151,7 +156,7 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
             "tf.data.Dataset) to the callback."
         ) from err
     if size > n:
-        raise ValueError(
+        raise ProbeSizeError(
             f"`probe_size`={size} is larger than the training data ({n} examples). "
             "Pass a smaller probe_size."
         )
@@ -175,7 +180,7 @@ def _probe_from_dataset(dataset, size, input_ndim, labelled):
         if total >= size:
             break
     if total < size:
-        raise ValueError(
+        raise ProbeSizeError(
             f"`probe_size`={size} is larger than the training data ({total} examples "
             "in the dataset). Pass a smaller probe_size."
         )
