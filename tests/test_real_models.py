@@ -67,6 +67,19 @@ def assert_export_round_trip(model, sample, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
+def train_freeze_and_export(model, x, y, tmp_path=None, **settings):
+    """Compiles `model`, fits 2 epochs under loose Egeria settings, checks that the frozen
+    weights never moved and (given `tmp_path`) that the export round trip equals
+    `model.predict`. Returns the callback and the warnings caught during fit."""
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    egeria = loose(**settings)
+    watcher, caught = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    assert_frozen_unchanged(egeria, watcher)
+    if tmp_path is not None:
+        assert_export_round_trip(model, x, tmp_path)
+    return egeria, caught
+
+
 def reference_errors(model, x, mode="auto"):
     """A fresh reference of `model` and each module's relative error against the float model."""
     mods = partition_modules(model, count_flops=False)
@@ -258,15 +271,10 @@ def test_mobilenet_v2_on_tf_data_freezes_and_exports(tmp_path):
 @pytest.mark.parametrize("pre_ln", [False, True], ids=["post-LN", "pre-LN"])
 def test_stock_layer_transformer_trains_freezes_and_exports(pre_ln, tmp_path):
     keras.utils.set_random_seed(0)
-    model = R.stock_transformer_lm(pre_ln)
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = R.token_data()
-    egeria = loose()
-    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    egeria, _ = train_freeze_and_export(R.stock_transformer_lm(pre_ln), x, y, tmp_path)
     s = egeria.summary()
     assert s["reference_path"] == "tfmot" and s["num_modules"] == 4 and s["frozen_modules"] >= 1
-    assert_frozen_unchanged(egeria, watcher)
-    assert_export_round_trip(model, x, tmp_path)
 
 
 def test_custom_layer_transformer_falls_back_and_trains(tmp_path):
@@ -274,69 +282,47 @@ def test_custom_layer_transformer_falls_back_and_trains(tmp_path):
 
     keras.utils.set_random_seed(0)
     model = char_transformer(vocab_size=R.VOCAB, seq_len=R.SEQ, d_model=32, num_heads=2, num_blocks=2)
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = R.token_data()
-    egeria = loose()
-    watcher, caught = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    egeria, caught = train_freeze_and_export(model, x, y, tmp_path)
     assert len([w for w in caught if "int8 weights" in str(w.message)]) == 1
     s = egeria.summary()
     assert s["reference_path"] == "int8-weights" and "custom class" in s["reference_reason"]
-    assert_frozen_unchanged(egeria, watcher)
-    assert_export_round_trip(model, x, tmp_path)
 
 
 def test_dict_inputs_train_without_structure_warnings_and_export(tmp_path):
     keras.utils.set_random_seed(0)
-    model = R.dict_input_model()
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = R.dict_data(256)
-    egeria = loose()
-    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    egeria, _ = train_freeze_and_export(R.dict_input_model(), x, y, tmp_path)
     assert egeria.summary()["reference_path"] == "tfmot"
-    assert_frozen_unchanged(egeria, watcher)
-    assert_export_round_trip(model, x, tmp_path)
 
 
 def test_int_ids_into_a_float_input_train_and_export(tmp_path):
     keras.utils.set_random_seed(0)
-    model = R.stock_transformer_lm(True, float_ids=True)
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = R.token_data()
     assert x.dtype == np.int32
-    egeria = loose()
-    watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
-    assert_frozen_unchanged(egeria, watcher)
-    assert_export_round_trip(model, x, tmp_path)
+    train_freeze_and_export(R.stock_transformer_lm(True, float_ids=True), x, y, tmp_path)
 
 
 def test_unbuilt_subclassed_model_with_modules_trains_and_exports(tmp_path):
     keras.utils.set_random_seed(0)
     model = R.SubclassedMLP()
-    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert not model.built
     x, y = R.vector_data(256)
-    egeria = loose(modules=[["d1"], ["d2"], ["out"]])
-    watcher, caught = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+    egeria, caught = train_freeze_and_export(model, x, y, tmp_path, modules=[["d1"], ["d2"], ["out"]])
     assert len([w for w in caught if "int8 weights" in str(w.message)]) == 1
     s = egeria.summary()
     assert s["num_modules"] == 3 and s["frozen_modules"] >= 1 and s["steps"] == 16
-    assert_frozen_unchanged(egeria, watcher)
-    assert_export_round_trip(model, x, tmp_path)
 
 
 def test_mixed_bfloat16_transformer_trains_and_freezes():
     keras.utils.set_random_seed(0)
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
     try:
-        model = R.stock_transformer_lm(True)
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         x, y = R.token_data()
-        egeria = loose()
-        watcher, _ = fit_checked(model, x, y, callback=egeria, batch_size=32, epochs=2)
+        egeria, _ = train_freeze_and_export(R.stock_transformer_lm(True), x, y)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert egeria.summary()["reference_path"] == "tfmot", egeria.summary()["reference_reason"]
-    assert_frozen_unchanged(egeria, watcher)
 
 
 # ------------------------------------------------------------- output
