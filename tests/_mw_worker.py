@@ -30,7 +30,8 @@ with strategy.scope():
     model = resnet1d(widths=(16, 16, 16), strides=(1, 2, 1), stem_width=16)
     model.compile(optimizer=keras.optimizers.Adam(3e-3))
 freezer = tf_hwopt.EgeriaCallback(probe_size=32, eval_every=4, window=2, patience=1, tolerance=1e6,
-                                  bootstrap_steps=0, max_frozen_fraction=0.5, verbose=0, asynchronous=False)
+                                  bootstrap_steps=0, max_frozen_fraction=0.5, verbose=0, asynchronous=False,
+                                  overhead_budget=None)
 loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 result = fit_multi_worker(model, x, y, epochs=2, batch_size=64, freezer=freezer, verbose=0, loss=loss, strategy=strategy)
 np.savez(os.path.join(out_dir, f"weights{index}.npz"), *[w.numpy() for w in model.weights])

@@ -52,7 +52,8 @@ model.compile(keras.optimizers.Adam(3e-3), keras.losses.SparseCategoricalCrossen
               metrics=["accuracy"])
 model(x[:1])
 egeria = tf_hwopt.EgeriaCallback(probe_size=64, eval_every=8, window=3, patience=1, tolerance=0.5,
-                                 bootstrap_steps=16, max_frozen_fraction=0.6, verbose=0, backup_dir=backup_dir)
+                                 bootstrap_steps=16, max_frozen_fraction=0.6, verbose=0, backup_dir=backup_dir,
+                                 overhead_budget=None)
 backup = tf_hwopt.AtomicBackupAndRestore(backup_dir)
 recorder = ResumeRecorder(egeria)
 model.fit(x, y, batch_size=64, epochs=8, validation_data=(x_test, y_test),

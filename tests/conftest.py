@@ -135,6 +135,7 @@ def eager_freezing(**overrides):
         max_frozen_fraction=0.5,
         verbose=0,
         asynchronous=False,
+        overhead_budget=None,  # mechanics tests: evaluate on schedule, whatever it costs
     )
     config.update(overrides)
     return tf_hwopt.EgeriaCallback(**config)

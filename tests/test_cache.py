@@ -14,6 +14,11 @@ from tf_hwopt.training.cache import ActivationCache, cache_bytes, cut_model, epo
 from conftest import compile_model, small_resnet
 
 
+def _freezeout(**kwargs):
+    """FreezeOut on its schedule, without the cost accounting (the mechanics are tested here)."""
+    return FreezeOutCallback(verbose=0, overhead_budget=None, **kwargs)
+
+
 def _loss(model, inputs, y):
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(inputs, training=True))
 
@@ -55,7 +60,7 @@ def test_suffix_on_cached_activations_matches_the_whole_model_with_the_prefix_fr
 def _train(data, cache, epochs=4, schedule=(0.2, 0.75), **kwargs):
     x, y, x_test, y_test = data
     model = compile_model(small_resnet())
-    freezer = FreezeOutCallback(freeze_start=schedule[0], freeze_level=schedule[1], verbose=0)
+    freezer = _freezeout(freeze_start=schedule[0], freeze_level=schedule[1])
     result = fit_with_cache(model, x[:1024], y[:1024], epochs=epochs, batch_size=64, freezer=freezer, cache=cache,
                             validation_data=(x_test[:256], y_test[:256]), verbose=0, **kwargs)
     return model, result
@@ -116,10 +121,10 @@ def test_random_augmentation_in_the_prefix_is_refused_or_disables_the_cache(mnis
     assert random_augmentation_layers(partition_modules(model)) == ["jitter (GaussianNoise)"]
     before = [w.numpy().copy() for w in model.weights]
     with pytest.raises(ValueError, match="jitter \\(GaussianNoise\\)"):
-        fit_with_cache(model, x, y, epochs=1, freezer=FreezeOutCallback(verbose=0), cache="memory", verbose=0)
+        fit_with_cache(model, x, y, epochs=1, freezer=_freezeout(), cache="memory", verbose=0)
     assert all(np.array_equal(a, w.numpy()) for a, w in zip(before, model.weights))  # refused before training
     with pytest.warns(UserWarning, match="random augmentation.*without a cache"):
-        result = fit_with_cache(model, x, y, epochs=2, freezer=FreezeOutCallback(verbose=0), cache="auto", verbose=0)
+        result = fit_with_cache(model, x, y, epochs=2, freezer=_freezeout(), cache="auto", verbose=0)
     assert {p["cache_action"] for p in result["phases"]} == {"off"}
 
 
@@ -149,12 +154,12 @@ def test_over_budget_goes_to_disk_with_the_numbers_and_the_files_are_removed(mni
 )
 def test_bad_arguments_are_named(kwargs, match, mnist1d_small):
     x, y = mnist1d_small[0][:64], mnist1d_small[1][:64]
-    args = {"epochs": 1, "freezer": FreezeOutCallback(verbose=0), **kwargs}
+    args = {"epochs": 1, "freezer": _freezeout(), **kwargs}
     with pytest.raises(ValueError, match=match):
         fit_with_cache(compile_model(small_resnet()), x, y, **args)
     with pytest.raises(ValueError, match="NumPy array"):
         fit_with_cache(compile_model(small_resnet()), tf.data.Dataset.from_tensor_slices((x, y)), y, epochs=1,
-                       freezer=FreezeOutCallback(verbose=0))
+                       freezer=_freezeout())
 
 
 @pytest.mark.parametrize("in_memory", [True, False])

@@ -83,7 +83,7 @@ def test_bad_arguments(cls, kwargs, match):
 def test_freezeout_callback_follows_the_schedule(mnist1d_small):
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
-    cb = tf_hwopt.FreezeOutCallback(freeze_start=0.5, freeze_level=1.0, verbose=0)
+    cb = tf_hwopt.FreezeOutCallback(freeze_start=0.5, freeze_level=1.0, verbose=0, overhead_budget=None)
     watcher = FreezeWatcher(cb)
     model.fit(x[:320], y[:320], batch_size=32, epochs=4, callbacks=[cb, watcher], verbose=0)  # 40 steps
     steps = {e["module"]: e["step"] for e in cb.events}
@@ -97,7 +97,8 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     cb = tf_hwopt.GradientNormFreezeCallback(
-        probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0
+        probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0,
+        overhead_budget=None,
     )
     watcher = FreezeWatcher(cb)
     model.fit(x[:320], y[:320], batch_size=32, epochs=3, callbacks=[cb, watcher], verbose=0)
@@ -113,10 +114,12 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda backup: tf_hwopt.FreezeOutCallback(freeze_start=0.2, freeze_level=1.0, backup_dir=backup, verbose=0),
+        lambda backup: tf_hwopt.FreezeOutCallback(
+            freeze_start=0.2, freeze_level=1.0, backup_dir=backup, verbose=0, overhead_budget=None
+        ),
         lambda backup: tf_hwopt.GradientNormFreezeCallback(
             probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5,
-            backup_dir=backup, verbose=0,
+            backup_dir=backup, verbose=0, overhead_budget=None,
         ),
     ],
     ids=["FreezeOut", "gradient-norm"],

@@ -31,7 +31,7 @@ REFERENCE_REL_ERROR = 0.15
 def loose(**overrides):
     """Settings that freeze within a few evaluations."""
     config = dict(probe_size=16, eval_every=2, window=2, patience=1, tolerance=1e6, bootstrap_steps=0,
-                  asynchronous=False, verbose=0)
+                  asynchronous=False, verbose=0, overhead_budget=None)
     config.update(overrides)
     return tf_hwopt.EgeriaCallback(**config)
 

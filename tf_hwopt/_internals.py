@@ -42,6 +42,18 @@ def ordered_nodes(model) -> list:
     return nodes
 
 
+def call_count(layer) -> int:
+    """How many times `layer` is called in the graphs it belongs to.
+
+    A layer called once has a single output, and a sub-model ending at
+    `layer.output` computes exactly that call. Keras 3's `layer.output`
+    silently returns the first call's output of a shared layer instead of
+    raising as Keras 2 did, so the number of calls must be read from the
+    (private) inbound node list (Keras 3.15: `Operation._inbound_nodes`).
+    """
+    return len(layer._inbound_nodes)
+
+
 def all_layers(model) -> list:
     """Every layer inside `model`, nested ones included, outermost first.
 

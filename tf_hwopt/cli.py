@@ -36,15 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     kinds = bench.add_subparsers(dest="bench", required=True)
     freezing = kinds.add_parser(
         "freezing",
-        help="no freezing vs FreezeOut vs gradient-norm vs Egeria on mnist1d and charlm, and "
-        "ResNet-20 step time with k modules frozen",
+        help="no freezing vs FreezeOut vs gradient-norm vs Egeria, from scratch (mnist1d, charlm) and "
+        "fine-tuning (finetune-mnist1d, finetune-charlm), and ResNet-20 step time with k modules frozen",
     )
     freezing.add_argument("--profile", choices=("quick", "full"), default="quick")
     freezing.add_argument("--seeds", type=_positive, default=None, help="default: 1 (quick), 3 (full)")
-    freezing.add_argument("--workloads", default="mnist1d,charlm", help="comma-separated")
+    freezing.add_argument(
+        "--workloads", default=None,
+        help="comma-separated (default: all but charlm-long, the 12-epoch charlm)",
+    )
     freezing.add_argument(
         "--strategies", default="no_freeze,freezeout,gradnorm,egeria,egeria+cache",
-        help="comma-separated (egeria+cache runs on mnist1d only)",
+        help="comma-separated (egeria+cache runs on mnist1d and the fine-tuning workloads)",
     )
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
@@ -86,11 +89,12 @@ def main(argv=None) -> int:
         )
     elif args.command == "bench" and args.bench == "freezing":
         from tf_hwopt.bench.freezing import run_freezing_benchmark
+        from tf_hwopt.bench.workloads import DEFAULT_WORKLOADS
 
         run_freezing_benchmark(
             args.profile,
             seeds=args.seeds,
-            workloads=[w for w in args.workloads.split(",") if w],
+            workloads=[w for w in args.workloads.split(",") if w] if args.workloads else DEFAULT_WORKLOADS,
             strategies=[s for s in args.strategies.split(",") if s],
             throughput=not args.no_throughput,
             json_path=args.json,

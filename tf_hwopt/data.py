@@ -17,12 +17,23 @@ def _cache_dir() -> str:
     return os.environ.get("TF_HWOPT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tf_hwopt"))
 
 
-def load_mnist1d(num_samples: int = 50_000, *, seed: int = 42, cache: bool = True):
+def load_mnist1d(
+    num_samples: int = 50_000,
+    *,
+    seed: int = 42,
+    corr_noise_scale: float | None = None,
+    iid_noise_scale: float | None = None,
+    shear_scale: float | None = None,
+    cache: bool = True,
+):
     """MNIST-1D, regenerated offline.
 
     Args:
         num_samples: total examples; 80% train, 20% test (the package's split).
         seed: the generator's seed.
+        corr_noise_scale, iid_noise_scale, shear_scale: the generator's
+            distortions (None: the package's defaults, 0.25, 0.02 and 0.75);
+            larger values give a shifted variant (the fine-tuning benchmark).
         cache: keep the generated arrays on disk for the next call.
 
     Returns:
@@ -36,7 +47,10 @@ def load_mnist1d(num_samples: int = 50_000, *, seed: int = 42, cache: bool = Tru
     """
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 10:
         raise ValueError(f"`num_samples` must be an integer >= 10. Received: num_samples={num_samples!r}")
-    path = os.path.join(_cache_dir(), f"mnist1d_{num_samples}_{seed}.npz")
+    distortions = {"corr_noise_scale": corr_noise_scale, "iid_noise_scale": iid_noise_scale, "shear_scale": shear_scale}
+    distortions = {k: float(v) for k, v in distortions.items() if v is not None}
+    suffix = "".join(f"_{k.split('_')[0]}{v:g}" for k, v in sorted(distortions.items()))
+    path = os.path.join(_cache_dir(), f"mnist1d_{num_samples}_{seed}{suffix}.npz")
     if cache and os.path.exists(path):
         with np.load(path) as f:
             return (f["x"], f["y"]), (f["x_test"], f["y_test"])
@@ -45,6 +59,8 @@ def load_mnist1d(num_samples: int = 50_000, *, seed: int = 42, cache: bool = Tru
     args = get_dataset_args()
     args.num_samples = num_samples
     args.seed = seed
+    for key, value in distortions.items():
+        setattr(args, key, value)
     data = make_dataset(args)
     x = data["x"].astype(np.float32)[..., None]
     x_test = data["x_test"].astype(np.float32)[..., None]
@@ -56,6 +72,11 @@ def load_mnist1d(num_samples: int = 50_000, *, seed: int = 42, cache: bool = Tru
         np.savez(tmp, x=x, y=y, x_test=x_test, y_test=y_test)
         os.replace(tmp, path)
     return (x, y), (x_test, y_test)
+
+
+def cache_dir() -> str:
+    """Where generated data and pretrained weights are kept: `$TF_HWOPT_CACHE`, default `~/.cache/tf_hwopt`."""
+    return _cache_dir()
 
 
 def _stdlib_sources() -> list:
@@ -103,9 +124,7 @@ def load_stdlib_chars(
     >>> (x[:, 1:] == y[:, :-1]).all()
     True
     """
-    for name, value in (("seq_len", seq_len), ("val_every", val_every)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-            raise ValueError(f"`{name}` must be an integer >= 2. Received: {name}={value!r}")
+    _check_window_args(seq_len, val_every)
     files = _stdlib_sources()
     if len(files) < val_every:
         raise RuntimeError(f"Found only {len(files)} standard-library .py files; expected at least {val_every}.")
@@ -114,15 +133,54 @@ def load_stdlib_chars(
         with open(path, encoding="utf-8", errors="replace") as f:
             (val if i % val_every == val_every - 1 else train).append(f.read())
 
-    def windows(texts, limit):
-        ids = encode_chars("\n".join(texts))
-        if limit is not None:
-            ids = ids[:limit]
-        n = (len(ids) - 1) // seq_len
-        if n < 1:
-            raise ValueError(f"Not enough text for one window of {seq_len} characters.")
-        x = ids[: n * seq_len].reshape(n, seq_len)
-        y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
-        return x, y
+    return _windows(train, seq_len, max_train_chars), _windows(val, seq_len, max_val_chars)
 
-    return windows(train, max_train_chars), windows(val, max_val_chars)
+
+def load_prose_chars(
+    seq_len: int = 128,
+    *,
+    max_train_chars: int | None = None,
+    max_val_chars: int | None = None,
+    val_fraction: float = 0.1,
+):
+    """Character language-model data from English prose that ships with Python.
+
+    The text of `pydoc_data.topics` (the language reference's topics that
+    `help()` shows, about 465,000 characters), topics sorted by name; the
+    last `val_fraction` of the text (the last topics) is held out. Windows
+    as in `load_stdlib_chars`. Prose, where `load_stdlib_chars` is code: the
+    fine-tuning benchmark pretrains on one and fine-tunes on the other.
+
+    Returns:
+        `(x_train, y_train), (x_val, y_val)`, int32 arrays of shape `(n, seq_len)`.
+
+    Example:
+    >>> (x, y), (x_val, y_val) = load_prose_chars(64, max_train_chars=200_000)
+    """
+    _check_window_args(seq_len, 2)
+    if not isinstance(val_fraction, float) or not 0 < val_fraction < 1:
+        raise ValueError(f"`val_fraction` must be a float in (0, 1). Received: val_fraction={val_fraction!r}")
+    from pydoc_data.topics import topics
+
+    text = "\n".join(topics[key] for key in sorted(topics))
+    split = int(len(text) * (1 - val_fraction))
+    return _windows([text[:split]], seq_len, max_train_chars), _windows([text[split:]], seq_len, max_val_chars)
+
+
+def _check_window_args(seq_len, val_every) -> None:
+    for name, value in (("seq_len", seq_len), ("val_every", val_every)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise ValueError(f"`{name}` must be an integer >= 2. Received: {name}={value!r}")
+
+
+def _windows(texts, seq_len: int, limit):
+    """Inputs and next-character targets: non-overlapping windows of `seq_len + 1` characters."""
+    ids = encode_chars("\n".join(texts))
+    if limit is not None:
+        ids = ids[:limit]
+    n = (len(ids) - 1) // seq_len
+    if n < 1:
+        raise ValueError(f"Not enough text for one window of {seq_len} characters.")
+    x = ids[: n * seq_len].reshape(n, seq_len)
+    y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
+    return x, y

@@ -2,8 +2,17 @@
 
 A `Workload` is everything a run needs besides the strategy: data, model
 builder, loss, metric, epochs, batch size and learning rate. Every strategy
-of a workload trains through `tf_hwopt.demo.train_timed` with the same
-seed, so runs differ only by their freezing callback.
+of a workload trains through `tf_hwopt.bench.harness.train_timed` with the
+same seed, so runs differ only by their freezing callback.
+
+Training from scratch: `mnist1d`, `charlm` (and `charlm-long`, 12 epochs,
+on request). Fine-tuning, where users freeze layers most: `finetune-mnist1d`
+(the 1D ResNet pretrained on MNIST-1D, fine-tuned with a fresh head on a
+shifted variant: more noise and shear, permuted labels, another seed) and
+`finetune-charlm` (the char Transformer pretrained on the standard library's
+source, fine-tuned on the prose of `pydoc_data`). Pretrained weights are
+built once and kept on disk (`tf_hwopt.bench.pretrained`); building them is
+not part of any timing.
 """
 
 from __future__ import annotations
@@ -13,8 +22,11 @@ import math
 from typing import Callable
 
 import keras
+import numpy as np
 
-from tf_hwopt.data import load_mnist1d, load_stdlib_chars
+from tf_hwopt.bench.harness import compiled_model
+from tf_hwopt.bench.pretrained import pretrained_weights
+from tf_hwopt.data import load_mnist1d, load_prose_chars, load_stdlib_chars
 from tf_hwopt.models import char_transformer, resnet1d
 
 PROFILES = ("quick", "full")
@@ -48,6 +60,7 @@ class Workload:
     loss_scale: float = 1.0
     unit: str = ""
     description: str = ""
+    pretrained: str | None = None
 
     @property
     def keras_metrics(self) -> list:
@@ -84,21 +97,27 @@ def mnist1d_workload(profile: str = "full") -> Workload:
     )
 
 
-def charlm_workload(profile: str = "full") -> Workload:
+_SEQ_LEN = 64
+
+
+def _charlm_sizes(profile: str) -> tuple:
+    """Training characters, validation characters and epochs of the char LM recipes."""
+    return (320_000, 100_000, 6) if profile == "full" else (40_000, 12_000, 1)
+
+
+def charlm_workload(profile: str = "full", *, epochs: int | None = None, name: str = "charlm") -> Workload:
     """A 4-block character Transformer on the standard library's source.
 
     Validation is on held-out files; the metric is validation loss in bits
-    per character.
+    per character. `epochs` overrides the profile's (6 in `full`).
     """
     _check_profile(profile)
-    seq_len = 64
-    if profile == "full":
-        train_chars, val_chars, epochs = 320_000, 100_000, 6
-    else:
-        train_chars, val_chars, epochs = 40_000, 12_000, 1
+    seq_len = _SEQ_LEN
+    train_chars, val_chars, default_epochs = _charlm_sizes(profile)
+    epochs = epochs or default_epochs
     data = load_stdlib_chars(seq_len, max_train_chars=train_chars, max_val_chars=val_chars)
     return Workload(
-        name="charlm",
+        name=name,
         metric="loss",
         data=data,
         build_model=lambda: char_transformer(seq_len=seq_len, num_blocks=4),
@@ -115,4 +134,134 @@ def charlm_workload(profile: str = "full") -> Workload:
     )
 
 
-WORKLOADS = {"mnist1d": mnist1d_workload, "charlm": charlm_workload}
+def charlm_long_workload(profile: str = "full") -> Workload:
+    """`charlm` trained twice as long (12 epochs in `full`): where the deep blocks have time to settle."""
+    _check_profile(profile)
+    return charlm_workload(profile, epochs=12 if profile == "full" else 2, name="charlm-long")
+
+
+def _pretrain(recipe: dict, build: Callable[[], keras.Model], data) -> keras.Model:
+    (x, y), _ = data
+    model = compiled_model(
+        build,
+        len(y),
+        epochs=recipe["epochs"],
+        batch_size=recipe["batch_size"],
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        learning_rate=recipe["learning_rate"],
+        seed=recipe["seed"],
+    )
+    model.fit(x, y, batch_size=recipe["batch_size"], epochs=recipe["epochs"], verbose=0)
+    return model
+
+
+def _fresh_head(model: keras.Model, layer_name: str) -> None:
+    """Re-initializes a Dense head (under the caller's seed), as a new task's head starts."""
+    head = model.get_layer(layer_name)
+    head.kernel.assign(head.kernel_initializer(head.kernel.shape))
+    head.bias.assign(np.zeros(head.bias.shape, head.bias.dtype))
+
+
+def finetune_mnist1d_workload(profile: str = "full") -> Workload:
+    """The 1D ResNet pretrained on MNIST-1D, fine-tuned with a fresh head on a shifted variant.
+
+    Shifted: more correlated and i.i.d. noise, more shear, another generator
+    seed, and the labels permuted (a new task on the same kind of signal).
+    """
+    _check_profile(profile)
+    full = profile == "full"
+    recipe = {
+        "data": {"num_samples": 50_000 if full else 3_000, "seed": 42},
+        "model": "resnet1d()",
+        "epochs": 6 if full else 2,
+        "batch_size": 256 if full else 128,
+        "learning_rate": 2e-3,
+        "seed": 0,
+    }
+    path = pretrained_weights(
+        f"finetune-mnist1d-{profile}",
+        recipe,
+        lambda: _pretrain(recipe, resnet1d, load_mnist1d(**recipe["data"])),
+    )
+    (x, y), (x_test, y_test) = load_mnist1d(
+        10_000 if full else 2_000, seed=7, corr_noise_scale=0.4, iid_noise_scale=0.05, shear_scale=1.0
+    )
+    permutation = np.random.RandomState(7).permutation(10).astype(np.int32)
+
+    def build() -> keras.Model:
+        model = resnet1d()
+        model.load_weights(path)
+        _fresh_head(model, "head")
+        return model
+
+    return Workload(
+        name="finetune-mnist1d",
+        metric="accuracy",
+        data=((x, permutation[y]), (x_test, permutation[y_test])),
+        build_model=build,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        epochs=10 if full else 2,
+        batch_size=128,
+        learning_rate=1e-3,
+        unit="accuracy",
+        description=(
+            f"1D ResNet pretrained on MNIST-1D, fresh head; shifted MNIST-1D (noise, shear, permuted labels), "
+            f"{len(y)} train / {len(y_test)} test"
+        ),
+        pretrained=path,
+    )
+
+
+def finetune_charlm_workload(profile: str = "full") -> Workload:
+    """The char Transformer pretrained on the standard library's source, fine-tuned on `pydoc_data` prose."""
+    _check_profile(profile)
+    train_chars, val_chars, epochs = _charlm_sizes(profile)
+    recipe = {
+        "data": {"source": "stdlib", "seq_len": _SEQ_LEN, "max_train_chars": train_chars},
+        "model": f"char_transformer(seq_len={_SEQ_LEN}, num_blocks=4)",
+        "epochs": epochs,
+        "batch_size": 64,
+        "learning_rate": 2e-3,
+        "seed": 0,
+    }
+    build = lambda: char_transformer(seq_len=_SEQ_LEN, num_blocks=4)  # noqa: E731
+    path = pretrained_weights(
+        f"finetune-charlm-{profile}",
+        recipe,
+        lambda: _pretrain(recipe, build, load_stdlib_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=1_000)),
+    )
+    data = load_prose_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=val_chars)
+
+    def build_pretrained() -> keras.Model:
+        model = build()
+        model.load_weights(path)
+        return model
+
+    return Workload(
+        name="finetune-charlm",
+        metric="loss",
+        data=data,
+        build_model=build_pretrained,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        epochs=epochs,
+        batch_size=64,
+        learning_rate=1e-3,
+        loss_scale=1.0 / math.log(2.0),
+        unit="bits/char",
+        description=(
+            f"char Transformer pretrained on the stdlib source, fine-tuned on pydoc_data prose, "
+            f"{len(data[0][1]) * _SEQ_LEN} train / {len(data[1][1]) * _SEQ_LEN} held-out chars"
+        ),
+        pretrained=path,
+    )
+
+
+WORKLOADS = {
+    "mnist1d": mnist1d_workload,
+    "charlm": charlm_workload,
+    "finetune-mnist1d": finetune_mnist1d_workload,
+    "finetune-charlm": finetune_charlm_workload,
+    "charlm-long": charlm_long_workload,
+}
+#: What `tf-hwopt bench freezing` runs unless told otherwise (charlm-long on request).
+DEFAULT_WORKLOADS = ("mnist1d", "charlm", "finetune-mnist1d", "finetune-charlm")

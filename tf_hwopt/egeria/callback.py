@@ -16,16 +16,24 @@ from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.probe import ActivationReader
 
 STATE_FILE = "egeria_state.json"
+# Modules measured behind the candidate, so that the next ones' windows are
+# full when the candidate freezes. With 2, replaying recorded runs that
+# measured every module gives the same freezes (tests/test_budget.py); with
+# 1, a module freezing within `window` evaluations of the one before it
+# would wait for its window to fill.
+_LOOKAHEAD = 2
 
 
 class EgeriaCallback(FreezingCallback):
     """Freezes converged front modules during `model.fit` (Egeria, EuroSys 2023).
 
-    Every `eval_every` training steps the callback measures each module's
-    *plasticity*: the SP loss between its output on a fixed probe batch in the
+    Every `eval_every` training steps the callback measures the *plasticity*
+    of the frontmost still-trainable module (the candidate) and of the two
+    behind it: the SP loss between its output on a fixed probe batch in the
     training model and in an int8 reference model (built through TFMOT,
     refreshed every `reference_refresh` evaluations, off the training thread
-    when a GPU or TPU trains). When the
+    when a GPU or TPU trains). Freezing goes front to back, so only the
+    model's prefix up to those modules runs, in both models. When the
     plasticity of the frontmost still-trainable module has stopped changing
     (least-squares slope over the last `window` values, relative to their
     mean, within `tolerance` for `patience` evaluations), that module is
@@ -131,7 +139,8 @@ class EgeriaCallback(FreezingCallback):
         self.reference_mode = reference
         self.asynchronous = asynchronous
         self.reference: Reference | None = None
-        self._reader = None
+        self._readers: dict = {}
+        self._refreshed_sets: set = set()
 
     # ------------------------------------------------------------------ setup
 
@@ -149,7 +158,7 @@ class EgeriaCallback(FreezingCallback):
     def _setup(self, first_fit: bool) -> None:
         model = self.model
         probe = self.probe
-        self._reader = ActivationReader(model, [m.output_layer for m in self.modules])
+        self._readers = {}
         if self.reference is None:
             try:
                 self.reference = Reference(
@@ -176,21 +185,38 @@ class EgeriaCallback(FreezingCallback):
 
     # ------------------------------------------------------------- evaluation
 
-    def _measure(self) -> list[float] | None:
-        """Each active module's plasticity (NaN for frozen ones); None until the reference has a refresh."""
-        if not self.reference.ready():
-            return None
-        activations = self._reader(self.probe)
-        reference = self.reference.activations()
+    def _measured_modules(self) -> tuple:
+        """The candidate and `_LOOKAHEAD` modules behind it (none past the cap)."""
         k = self.policy.num_frozen
+        last = min(k + _LOOKAHEAD, self.policy.max_frozen - 1)
+        return tuple(range(k, last + 1))
+
+    def _measure(self) -> list[float] | None:
+        """The measured modules' plasticity (NaN elsewhere); None while the reference lacks the candidate."""
+        modules = self.reference.refreshed_modules if self.reference.ready() else ()
+        if self.policy.num_frozen not in modules:
+            return None
+        if modules not in self._readers:
+            self._one_off_work = True  # a new reader: traced at its first call
+            self._readers[modules] = ActivationReader(self.model, [self.modules[i].output_layer for i in modules])
+        activations = dict(zip(modules, self._readers[modules](self.probe)))
+        reference = dict(zip(modules, self.reference.activations()))
         return [
-            sp_loss(activations[i], reference[i], gram_dtype=np.float32) if i >= k else math.nan
+            sp_loss(activations[i], reference[i], gram_dtype=np.float32) if i in activations else math.nan
             for i in range(len(self.modules))
         ]
 
     def _after_evaluation(self, decision) -> None:
-        if (self.evaluations - 1) % self.reference_refresh == 0:
-            self.reference.submit_refresh(self.model)
+        if self.policy.settled or self.evaluation_stopped:
+            return
+        modules = self._measured_modules()
+        if modules and (
+            (self.evaluations - 1) % self.reference_refresh == 0 or modules != self.reference.refreshed_modules
+        ):
+            if modules not in self._refreshed_sets:
+                self._one_off_work = True  # the reference may grow, and traces its first refresh
+                self._refreshed_sets.add(modules)
+            self.reference.submit_refresh(self.model, modules)
 
     def _extra_state(self) -> dict:
         return {"reference_refreshes": self.reference.refreshes}
@@ -201,7 +227,8 @@ class EgeriaCallback(FreezingCallback):
     def _after_restore(self) -> None:
         # The weights were restored by BackupAndRestore: refresh the reference
         # from them so the next evaluation compares against this state.
-        self.reference.submit_refresh(self.model)
+        if self._measured_modules():
+            self.reference.submit_refresh(self.model, self._measured_modules())
 
     # ----------------------------------------------------------------- report
 
@@ -210,7 +237,8 @@ class EgeriaCallback(FreezingCallback):
 
         `FreezingCallback.summary()` (modules, events, FLOPs skipped,
         overhead, status) plus `reference_path` and `reference_reason`,
-        `reference_refreshes`, `reference_build_seconds` and
+        `reference_refreshes`, `reference_covered_modules` (the quantized
+        prefix grows as freezing moves back), `reference_build_seconds` and
         `reference_seconds` (wall time of building and refreshing the
         reference, also when it ran off the training thread: on a small host
         that thread competes with training and is not in `overhead_fraction`).
@@ -222,6 +250,7 @@ class EgeriaCallback(FreezingCallback):
                 "reference_path": ref.path if ref else None,
                 "reference_reason": ref.reason if ref else self.disabled_reason,
                 "reference_refreshes": ref.refreshes if ref else 0,
+                "reference_covered_modules": ref.covered_modules if ref else 0,
                 "reference_build_seconds": ref.build_seconds if ref else 0.0,
                 "reference_seconds": ref.work_seconds if ref else 0.0,
             }

@@ -124,7 +124,10 @@ class EgeriaPolicy(FreezingPolicy):
     ) -> Decision:
         """Feeds one evaluation: the plasticity of every module at `step`.
 
-        Values of frozen modules are ignored (pass anything, e.g. NaN).
+        Values of frozen modules are ignored (pass anything, e.g. NaN). Of
+        the active ones, the frontmost (the candidate) must be measured;
+        modules behind it may be NaN (not measured at this evaluation: their
+        windows wait). An infinite value skips the evaluation.
         """
         if len(plasticity) != self.num_modules:
             raise ValueError(
@@ -132,7 +135,7 @@ class EgeriaPolicy(FreezingPolicy):
                 f"got {len(plasticity)}."
             )
         active = [float(v) for v in plasticity[self.num_frozen :]]
-        if not all(math.isfinite(v) for v in active):
+        if not active or not math.isfinite(active[0]) or any(math.isinf(v) for v in active):
             return Decision(skipped=True, reason="non-finite plasticity; evaluation skipped")
         self.evaluations += 1
         if learning_rate is not None and self._lr_at_freeze is None:
@@ -155,7 +158,8 @@ class EgeriaPolicy(FreezingPolicy):
             self._stable = [0] * self.num_modules
             return Decision(unfreeze=reopened, reason=reason)
         for offset, value in enumerate(active):
-            self._windows[self.num_frozen + offset].append(value)
+            if not math.isnan(value):
+                self._windows[self.num_frozen + offset].append(value)
         candidate = self.num_frozen
         if candidate >= self.max_frozen or step < self.bootstrap_steps:
             return Decision()
@@ -182,6 +186,31 @@ class EgeriaPolicy(FreezingPolicy):
             relative_slope=slope,
         )
 
+    def evaluations_to_freeze(self) -> int | None:
+        """Evaluations the candidate needs at the least before it can freeze (None: it never can).
+
+        Its window must fill, then its slope stay within tolerance for
+        `patience` evaluations (the bootstrap period aside).
+
+        Example:
+        >>> EgeriaPolicy(4, window=3, patience=2).evaluations_to_freeze()
+        4
+        """
+        candidate = self.num_frozen
+        if candidate >= self.max_frozen:
+            return None
+        filled = len(self._windows[candidate])
+        if filled < self.window:
+            return self.window - filled + self.patience - 1
+        return max(1, self.patience - self._stable[candidate])
+
+    def earliest_freeze_step(self, step: int, interval: int) -> int | None:
+        """The soonest step the candidate can freeze, evaluating every `interval` steps (None: never)."""
+        needed = self.evaluations_to_freeze()
+        if needed is None:
+            return None
+        return max(step + needed * interval, self.bootstrap_steps)
+
     def get_state(self) -> dict:
         """A JSON-serialisable snapshot (for resuming)."""
         return {
@@ -197,3 +226,29 @@ class EgeriaPolicy(FreezingPolicy):
         self._windows = [collections.deque(w, maxlen=self.window) for w in state["windows"]]
         self._stable = [int(s) for s in state["stable"]]
         self._lr_at_freeze = state["lr_at_freeze"]
+
+
+def replay(policy: EgeriaPolicy, history: Sequence[dict], *, lookahead: int | None = None) -> list[tuple[int, int]]:
+    """Feeds a recorded run's plasticity to `policy`; returns its freezes as `(module, step)`.
+
+    `history` is `EgeriaCallback.history` (or the `history` of a benchmark
+    run): entries with `step` and `plasticity` (None where not measured).
+    With `lookahead=L`, only the candidate and the `L` modules behind it are
+    shown to the policy, as `EgeriaCallback` measures them; None shows every
+    recorded value. Re-opening is not replayed.
+
+    Example:
+    >>> replay(EgeriaPolicy(6, bootstrap_steps=157), run["history"], lookahead=2)
+    [(0, 390), (1, 546), (2, 624), (3, 1053)]
+    """
+    freezes = []
+    for entry in history:
+        values = [math.nan if v is None else float(v) for v in entry["plasticity"]]
+        k = policy.num_frozen
+        if lookahead is not None:
+            values = [v if k <= i <= k + lookahead else math.nan for i, v in enumerate(values)]
+        if k < len(values) and math.isnan(values[k]):
+            continue  # the candidate was not measured then
+        decision = policy.observe(entry["step"], values)
+        freezes.extend((module, entry["step"]) for module in decision.freeze)
+    return freezes

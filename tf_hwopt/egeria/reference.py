@@ -32,6 +32,7 @@ import concurrent.futures
 import inspect
 import logging
 import time
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -224,55 +225,93 @@ def _kernel_quantize_config_class(tfmot):
 
 
 class _TfmotReference:
+    """The TFMOT path: the float tf_keras rebuild, quantized one prefix at a time.
+
+    Freezing goes front to back, so an evaluation needs the reference only up
+    to the modules it measures. The whole model is rebuilt (and checked)
+    at once, so that a model TFMOT cannot take is known at train begin; the
+    quantized model covers modules `0..covered` only, and is rebuilt longer
+    (at least doubling) when the measured modules move past it. A model
+    whose front never converges never pays for quantizing its back.
+    """
+
     path = TFMOT_PATH
 
     def __init__(self, model, output_layers, probe_x, weights, expected):
-        tf_keras, tfmot = import_tf_keras_quietly()
+        self._tf_keras, self._tfmot = import_tf_keras_quietly()
+        self._output_names = [layer.name for layer in output_layers]
+        self.float_layers: list[str] = []
+        self.covered = -1
         with tf.device("/CPU:0"):
-            tk = _rebuild_tf_keras(model, tf_keras)
-            self._float = tk
+            tk = _rebuild_tf_keras(model, self._tf_keras)
+            self._float_full = tk
             index = {id(v): i for i, v in enumerate(model.weights)}
             self._slices = {
                 layer.name: [index[id(v)] for v in layer.weights]
                 for layer in model.layers
                 if layer.weights
             }
-            for name, w in self._by_layer(weights).items():
-                _set_layer_weights(tk.get_layer(name), w)
+            for name, idx in self._slices.items():
+                _set_layer_weights(tk.get_layer(name), [weights[i] for i in idx])
             self._check_rebuild(tk, probe_x, expected, model.dtype_policy.compute_dtype)
+        self.reason = "rebuilt as tf_keras and quantized with TFMOT"
 
+    def extend(self, upto: int) -> None:
+        """Quantizes the prefix of modules `0..upto` (at least), unless already covered."""
+        if upto <= self.covered:
+            return
+        last = len(self._output_names) - 1
+        upto = min(last, max(upto, 2 * self.covered + 1))
+        tf_keras, tfmot = self._tf_keras, self._tfmot
+        with tf.device("/CPU:0"):
+            full = self._float_full
             registry = _internals.tfmot_default_registry()
             kernel_config = _kernel_quantize_config_class(tfmot)
             annotate = tfmot.quantization.keras.quantize_annotate_layer
-            self.float_layers: list[str] = []
 
             def clone_fn(layer):
                 clone = layer.__class__.from_config(layer.get_config())
                 if registry.supports(layer):
+                    annotated_layers.append(layer.name)
                     return annotate(clone)
                 if hasattr(layer, "kernel") and isinstance(
                     layer, (tf_keras.layers.Conv1D, tf_keras.layers.Conv3D)
                 ):
+                    annotated_layers.append(layer.name)
                     return annotate(clone, quantize_config=kernel_config())
                 if any(len(w.shape) >= 2 for w in layer.weights):
-                    self.float_layers.append(layer.name)
+                    float_layers.append(layer.name)
                 return clone
 
-            annotated = tf_keras.models.clone_model(tk, clone_function=clone_fn)
+            while True:
+                self._float = tf_keras.Model(
+                    full.inputs, [full.get_layer(name).output for name in self._output_names[: upto + 1]]
+                )
+                annotated_layers, float_layers = [], []
+                annotated = tf_keras.models.clone_model(self._float, clone_function=clone_fn)
+                if annotated_layers or upto == last:
+                    break
+                # Nothing TFMOT quantizes in this prefix (an Embedding alone): take the next module too.
+                upto += 1
             with tfmot.quantization.keras.quantize_scope({"KernelQuantizeConfig": kernel_config}):
                 self._quantized = tfmot.quantization.keras.quantize_apply(annotated)
+            self.float_layers = float_layers
             self._inner = {}
             for layer in self._quantized.layers:
                 inner = getattr(layer, "layer", layer)
                 self._inner[inner.name] = (layer, inner)
-            self._reader = tf_keras.Model(
-                self._quantized.inputs,
-                [_internals.tf_keras_node_output(self._quantized, self._inner[layer.name][0]) for layer in output_layers],
-            )
+            outputs = [
+                _internals.tf_keras_node_output(self._quantized, self._inner[name][0])
+                for name in self._output_names[: upto + 1]
+            ]
+            self._reader = tf_keras.Model(self._quantized.inputs, outputs)
             self._calibration = self._calibration_plan(tf_keras)
-            # Compiled once; a refresh is three calls of compiled functions.
+            # Compiled once per prefix; a refresh is three calls of compiled functions.
+            prefix = {layer.name for layer in self._float.layers}
             targets, self._sources = [], []
             for name, idx in self._slices.items():
+                if name not in prefix:
+                    continue
                 for model_vars, quantize in (
                     (_own_variables(self._float.get_layer(name)), False),
                     (_own_variables(self._inner[name][0]), name in self.float_layers),
@@ -284,13 +323,14 @@ class _TfmotReference:
             self._assign = _compiled_assign(targets)
             self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True))
             self._calibrate_and_read = tf.function(self._calibrate_and_read_fn)
-        self.reason = (
-            "rebuilt as tf_keras and quantized with TFMOT"
-            + (f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else "")
+        self.covered = upto
+        self.reason = "rebuilt as tf_keras and quantized with TFMOT" + (
+            f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else ""
         )
 
-    def _by_layer(self, weights: list) -> dict:
-        return {name: [weights[i] for i in idx] for name, idx in self._slices.items()}
+    def weight_indices(self) -> list[int]:
+        """Indices (in `model.weights`) of the weights the quantized prefix reads."""
+        return sorted({i for i, _ in self._sources})
 
     @staticmethod
     def _check_rebuild(tk, probe_x, expected, compute_dtype):
@@ -341,7 +381,7 @@ class _TfmotReference:
         acts = self._reader(x, training=False)
         return acts if isinstance(acts, list) else [acts]
 
-    def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
+    def refresh(self, weights: dict, probe_x, modules: Sequence[int]) -> list[np.ndarray]:
         values = [quantize_int8_per_channel(weights[i]) if q else weights[i] for i, q in self._sources]
         with tf.device("/CPU:0"):
             self._assign(values)
@@ -352,7 +392,7 @@ class _TfmotReference:
             self._assign(values)
             # Activation ranges: the float activations' observed ranges.
             acts = self._calibrate_and_read(probe_x)
-        return [np.asarray(a, np.float32) for a in acts]
+        return [np.asarray(acts[m], np.float32) for m in modules]
 
 
 def _own_variables(layer) -> list:
@@ -393,14 +433,26 @@ class _CloneReference:
                 )
             index = {id(layer): i for i, layer in enumerate(originals)}
             self._clone = clone
-            self._reader = ActivationReader(clone, [clones[index[id(layer)]] for layer in output_layers])
+            self._layers = [clones[index[id(layer)]] for layer in output_layers]
+            self._readers: dict = {}
             self._assign = _compiled_assign(list(clone.weights))
+            self._num_weights = len(clone.weights)
+        self.covered = len(output_layers) - 1
         self.reason = f"fell back to a Keras 3 clone with per-channel int8 weights: {reason}"
 
-    def refresh(self, weights: list, probe_x) -> list[np.ndarray]:
+    def extend(self, upto: int) -> None:
+        """The clone covers every module."""
+
+    def weight_indices(self) -> list[int]:
+        return list(range(self._num_weights))
+
+    def refresh(self, weights: dict, probe_x, modules: Sequence[int]) -> list[np.ndarray]:
+        modules = tuple(modules)
         with tf.device("/CPU:0"):
-            self._assign([quantize_int8_per_channel(w) for w in weights])
-            return self._reader(probe_x)
+            self._assign([quantize_int8_per_channel(weights[i]) for i in range(self._num_weights)])
+            if modules not in self._readers:
+                self._readers[modules] = ActivationReader(self._clone, [self._layers[m] for m in modules])
+            return self._readers[modules](probe_x)
 
 
 def _clone(model, probe_x):
@@ -477,9 +529,12 @@ class Reference:
             else None
         )
         self._future: concurrent.futures.Future | None = None
+        self._mode = mode
+        self._output_layers = list(output_layers)
         self.refreshes = 0
+        self.refreshed_modules: tuple = ()
         start = time.perf_counter()
-        self._impl = self._build(model, list(output_layers), mode)
+        self._impl = self._build(model, self._output_layers, mode)
         self.build_seconds = time.perf_counter() - start
         self.work_seconds = self.build_seconds
 
@@ -490,6 +545,7 @@ class Reference:
                 weights = _snapshot(model)
                 expected = keras.ops.convert_to_numpy(model(_head(self._probe_x), training=False))
                 impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
+                impl.extend(0)
                 logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
                 return impl
             except Exception as err:  # noqa: BLE001 - any failure of TFMOT's path falls back
@@ -535,18 +591,55 @@ class Reference:
     def float_layers(self) -> list:
         return list(self._impl.float_layers)
 
-    def submit_refresh(self, model) -> None:
-        """Snapshots `model`'s weights now; quantizes and evaluates them (off-thread if asynchronous)."""
-        weights = _snapshot(model)
+    @property
+    def covered_modules(self) -> int:
+        """How many front modules the quantized model covers now (it grows on demand)."""
+        return self._impl.covered + 1
+
+    def _extend(self, model, upto: int) -> None:
+        """Covers modules `0..upto`; a TFMOT failure there falls back to the clone (mode "auto")."""
+        if upto <= self._impl.covered:
+            return
+        start = time.perf_counter()
+        try:
+            self._impl.extend(upto)
+        except Exception as err:  # noqa: BLE001 - as at build time: fall back, or report
+            if self._mode != "auto" or self._impl.path != TFMOT_PATH:
+                raise ReferenceUnavailable(f"the {self._impl.path} reference failed: {_one_line(err)}") from err
+            self._impl = _CloneReference(model, self._output_layers, self._probe_x, reason=_one_line(err))
+            warnings.warn(
+                f"EgeriaCallback: the reference model is now a clone with int8 weights, not a TFMOT "
+                f"model ({self._impl.reason}).",
+                UserWarning,
+                stacklevel=3,
+            )
+        finally:
+            elapsed = time.perf_counter() - start
+            self.build_seconds += elapsed
+            self.work_seconds += elapsed
+
+    def submit_refresh(self, model, modules: Sequence[int] | None = None) -> None:
+        """Snapshots the weights `modules` depend on now; quantizes and evaluates them (off-thread if asynchronous).
+
+        `modules` (default: all) are module indices, front to back; the
+        reference covers the prefix up to the last one (built on demand, on
+        this thread). `activations()` then returns their outputs, in order.
+        """
+        modules = tuple(range(len(self._output_layers))) if modules is None else tuple(modules)
+        self._extend(model, max(modules))
+        variables = model.weights
+        weights = {i: keras.ops.convert_to_numpy(variables[i]) for i in self._impl.weight_indices()}
+        impl = self._impl
         self.refreshes += 1
-        self._future = self._run(lambda: self._impl.refresh(weights, self._probe_x))
+        self.refreshed_modules = modules
+        self._future = self._run(lambda: impl.refresh(weights, self._probe_x, modules))
 
     def ready(self) -> bool:
         """Whether a refresh has been submitted (its result may still be pending)."""
         return self._future is not None
 
     def activations(self) -> list[np.ndarray]:
-        """The reference's module outputs on the probe batch (latest refresh)."""
+        """The reference's outputs of `refreshed_modules` on the probe batch (latest refresh)."""
         if self._future is None:
             raise RuntimeError("The reference model has not been refreshed yet.")
         return self._future.result()

@@ -31,6 +31,7 @@ import tensorflow as tf
 from tf_hwopt import _internals
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt._io import write_json_atomic
+from tf_hwopt.freezing.budget import stretched_interval, worth_evaluating
 from tf_hwopt.freezing.engine import FreezingEngine
 from tf_hwopt.freezing.modules import graph_kind, partition_modules
 from tf_hwopt.freezing.policy import Decision, FreezingPolicy
@@ -140,6 +141,12 @@ class FreezingCallback(keras.callbacks.Callback):
         modules: explicit partition, a list of lists of layer names front to
             back (required for subclassed models). Default: automatic.
         eval_every: steps between evaluations. Default: the policy's.
+        overhead_budget: the largest share of training time evaluations may
+            take; the interval between them is lengthened to stay within it.
+            Besides, evaluation stops for good when the next freeze could no
+            longer repay the evaluations it needs (the summary says when and
+            why; see `tf_hwopt.freezing.budget`). None: neither, evaluate
+            every `eval_every` steps whatever it costs.
         refresh_batch_norm: before a module freezes, set its
             BatchNormalization layers' moving statistics to those of their
             input on the probe batch, so that the frozen module computes what
@@ -168,6 +175,7 @@ class FreezingCallback(keras.callbacks.Callback):
         probe_size: int = 256,
         modules: Sequence[Sequence[str]] | None = None,
         eval_every: int | None = None,
+        overhead_budget: float | None = 0.01,
         refresh_batch_norm: bool = True,
         log_dir: str | None = None,
         backup_dir: str | None = None,
@@ -184,12 +192,21 @@ class FreezingCallback(keras.callbacks.Callback):
         if probe_size < 2:
             raise ValueError(f"`probe_size` must be at least 2. Received: probe_size={probe_size}")
         check_positive_int("eval_every", eval_every, allow_none=True)
+        if overhead_budget is not None and (
+            isinstance(overhead_budget, bool)
+            or not isinstance(overhead_budget, (int, float))
+            or not 0 < overhead_budget < 1
+        ):
+            raise ValueError(
+                f"`overhead_budget` must be a fraction in (0, 1) or None. Received: overhead_budget={overhead_budget!r}"
+            )
         if not isinstance(refresh_batch_norm, bool):
             raise ValueError(f"`refresh_batch_norm` must be True or False. Received: {refresh_batch_norm!r}")
         self.probe_data = probe_data
         self.probe_size = probe_size
         self.module_names = modules
         self.eval_every = eval_every
+        self.overhead_budget = overhead_budget
         self.refresh_batch_norm = refresh_batch_norm
         self.log_dir = log_dir
         self.backup_dir = backup_dir
@@ -203,6 +220,17 @@ class FreezingCallback(keras.callbacks.Callback):
         self.history: list[dict] = []
         self.evaluations = 0
         self.skipped_evaluations = 0
+        # Set (to the reason) when evaluating stopped because no further
+        # freeze could repay its cost; frozen modules stay frozen.
+        self.evaluation_stopped: str | None = None
+        self.evaluation_seconds = 0.0
+        self._evaluation_costs: list[float] = []
+        # Set by a subclass during an evaluation that traced or built something
+        # (a first call): its cost is left out of the estimate of the next ones.
+        self._one_off_work = False
+        self._interval = None
+        # This fit's clock: its start, our overhead then, its steps, its first step.
+        self._fit_clock = None
         # Set when the callback stepped aside (it cannot handle this model):
         # training goes on, nothing more is frozen.
         self.disabled_reason: str | None = None
@@ -332,11 +360,77 @@ class FreezingCallback(keras.callbacks.Callback):
     # ------------------------------------------------------------ evaluation
 
     def _after_step(self) -> None:
-        if self._step < self._next_eval or self.policy.settled:
+        if self._step < self._next_eval or self.policy.settled or self.evaluation_stopped:
             return
-        while self._next_eval <= self._step:
-            self._next_eval += self._eval_every
+        start = time.perf_counter()
+        self._one_off_work = False
         self._evaluate()
+        cost = time.perf_counter() - start
+        self.evaluation_seconds += cost
+        if not self._one_off_work:
+            # Evaluations that traced or built something once are no estimate of the next ones.
+            self._evaluation_costs = (self._evaluation_costs + [cost])[-3:]
+        self._plan_next_evaluation()
+
+    def _step_seconds(self) -> float | None:
+        """Seconds per training step in this fit, without our hooks and the first (tracing) step."""
+        clock = self._fit_clock
+        if clock is None or clock["first_step"] is None or clock["steps"] <= clock["first_steps"]:
+            return None
+        elapsed = time.perf_counter() - clock["start"] - (self._overhead_seconds - clock["overhead"])
+        return max(0.0, elapsed - clock["first_step"]) / (clock["steps"] - clock["first_steps"])
+
+    def _plan_next_evaluation(self) -> None:
+        """Schedules the next evaluation within `overhead_budget`; stops evaluating when it cannot pay."""
+        cost = float(np.median(self._evaluation_costs)) if self._evaluation_costs else None
+        step_seconds = self._step_seconds()
+        interval = self._eval_every
+        self._interval = interval
+        self._next_eval = self._step + interval
+        if cost is None:
+            return
+        if step_seconds:
+            interval = stretched_interval(self._eval_every, cost, step_seconds, self.overhead_budget)
+        self._interval = interval
+        self._next_eval = self._step + interval
+        total = self.total_steps
+        earliest = self.policy.earliest_freeze_step(self._step, interval)
+        if self.overhead_budget is None or self.policy.settled or total is None or not step_seconds:
+            return
+        shares = self._candidate_flops_shares()
+        if earliest is not None and shares is None:
+            return  # FLOPs unknown: no estimate, evaluation goes on
+        rebuild = self._fit_clock["first_step"] or 0.0
+        if earliest is not None and worth_evaluating(
+            flops_shares=shares,
+            step_seconds=step_seconds,
+            step=self._step,
+            total_steps=total,
+            earliest_freeze_step=earliest,
+            interval=interval,
+            evaluation_seconds=cost,
+            freeze_seconds=rebuild,
+        ):
+            return
+        module = self.policy.num_frozen
+        self.evaluation_stopped = (
+            f"evaluation stopped at step {self._step}: module {module} cannot freeze before the end"
+            if earliest is None or earliest >= total
+            else f"evaluation stopped at step {self._step}: freezing module {module} (at step {earliest} at the "
+            f"soonest) and the ones behind it ({100 * sum(shares):.1f}% of the FLOPs) would save less than the "
+            f"{math.ceil((earliest - self._step) / interval)} evaluation(s) ({cost:.3f} s each) and the "
+            f"train-function rebuilds ({rebuild:.2f} s each) they need"
+        )
+        if self.verbose:
+            print(f"{type(self).__name__}: {self.evaluation_stopped}.", flush=True)
+
+    def _candidate_flops_shares(self) -> list[float] | None:
+        """FLOPs shares of the modules that may still freeze, front to back (None if unknown)."""
+        total = sum(m.flops or 0.0 for m in self.modules)
+        candidates = self.modules[self.policy.num_frozen : self.policy.max_frozen]
+        if not total or any(m.flops is None for m in candidates):
+            return None
+        return [m.flops / total for m in candidates]
 
     def _evaluate(self) -> None:
         self.evaluations += 1
@@ -464,6 +558,13 @@ class FreezingCallback(keras.callbacks.Callback):
     @timed
     def on_train_begin(self, logs=None):
         self._wall_start = time.perf_counter()
+        self._fit_clock = {
+            "start": self._wall_start,
+            "overhead": self._overhead_seconds,
+            "steps": 0,
+            "first_step": None,
+            "first_steps": 0,
+        }
         self._final = None
         if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
@@ -546,6 +647,13 @@ class FreezingCallback(keras.callbacks.Callback):
         done = batch - self._last_batch if batch > self._last_batch else batch + 1
         self._last_batch = batch
         self._step += done
+        clock = self._fit_clock
+        clock["steps"] += done
+        if clock["first_step"] is None:
+            # The first call of the train function: Keras traces it. A freeze
+            # costs about as much again (the function is rebuilt).
+            clock["first_step"] = time.perf_counter() - clock["start"] - (self._overhead_seconds - clock["overhead"])
+            clock["first_steps"] = done
         if self._setup_pending and self.disabled_reason is None:
             self._start()
         if self.engine is None:
@@ -598,6 +706,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "events": self.events,
             "history": self.history,
             "skipped_evaluations": self.skipped_evaluations,
+            "evaluation_stopped": self.evaluation_stopped,
             "frozen_flops_steps": self._frozen_flops_steps,
             "extra": self._extra_state(),
         }
@@ -655,6 +764,7 @@ class FreezingCallback(keras.callbacks.Callback):
         self.events = list(snap["events"])
         self.history = list(snap["history"])
         self.skipped_evaluations = int(snap["skipped_evaluations"])
+        self.evaluation_stopped = snap.get("evaluation_stopped")
         self._frozen_flops_steps = float(snap["frozen_flops_steps"])
         self._load_extra_state(snap.get("extra", {}))
         self._next_eval = self._step + self._eval_every
@@ -750,7 +860,10 @@ class FreezingCallback(keras.callbacks.Callback):
             "overhead_fraction": (self._overhead_seconds / wall) if wall else 0.0,
             "train_function_rebuilds": self.engine.rebuilds,
             "eval_every": self._eval_every or self.eval_every,
+            "eval_interval": self._interval or self._eval_every or self.eval_every,
             "evaluations": self.evaluations,
+            "evaluation_seconds": self.evaluation_seconds,
+            "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
 

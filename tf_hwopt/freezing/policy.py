@@ -87,6 +87,15 @@ class FreezingPolicy:
         """Feeds one evaluation at training `step`; returns what to do now."""
         raise NotImplementedError
 
+    def earliest_freeze_step(self, step: int, interval: int) -> int | None:
+        """The soonest step the next freeze can happen, evaluating every `interval` steps (None: never).
+
+        The callback weighs what that freeze could still save against the
+        evaluations needed to get there (`tf_hwopt.freezing.budget`). Default:
+        the next evaluation.
+        """
+        return None if self.settled else step + interval
+
     def get_state(self) -> dict:
         """A JSON-serialisable snapshot (for resuming)."""
         return {"num_modules": self.num_modules, "num_frozen": self.num_frozen, "evaluations": self.evaluations}

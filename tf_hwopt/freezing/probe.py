@@ -16,17 +16,22 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_hwopt import _internals
 from tf_hwopt._layer_hooks import hooked_calls
 
 
 class ActivationReader:
     """Reads the output (or input) of chosen layers of a Keras 3 model on a batch.
 
-    Works for Functional, Sequential and subclassed models alike: while the
-    forward function is traced, a hook on each chosen layer's `call` records
-    its output (or its first input), and the traced function returns them as
-    float32. The trace is reused afterwards (weights are read at run time,
-    never copied). The model runs in inference mode.
+    For a Functional model whose chosen layers are each called once, the
+    outputs are read from a sub-model that ends at them, so only the layers
+    they depend on run (freezing goes front to back: the front is all an
+    evaluation needs). Otherwise (subclassed models, shared layers, inputs
+    captured) a hook on each chosen layer's `call` records its output (or its
+    first input) while the whole forward function is traced. Either way the
+    traced function returns float32 tensors and is reused afterwards
+    (weights are read at run time, never copied). The model runs in
+    inference mode.
 
     Args:
         model: the Keras model.
@@ -43,6 +48,18 @@ class ActivationReader:
             raise ValueError(f"`capture` must be 'outputs' or 'inputs'. Received: capture={capture!r}")
         self._model = model
         self._layers = list(layers)
+        prefix = _prefix_model(model, self._layers) if capture == "outputs" else None
+        self.prefix_only = prefix is not None
+        if prefix is not None:
+
+            def forward(x):
+                with tf.name_scope("egeria_probe"):
+                    outs = prefix(x, training=False)
+                outs = outs if isinstance(outs, (list, tuple)) else [outs]
+                return [tf.cast(o, tf.float32) for o in outs]
+
+            self._forward = tf.function(forward, reduce_retracing=True)
+            return
         captured: dict[int, object] = {}
 
         def record(i, call, args, kwargs):
@@ -50,7 +67,7 @@ class ActivationReader:
             captured[i] = out if capture == "outputs" else args[0]
             return out
 
-        def forward(x):
+        def hooked_forward(x):
             captured.clear()
             # A parent scope: a model named "_x" is no valid root scope name.
             with hooked_calls(self._layers, record), tf.name_scope("egeria_probe"):
@@ -60,10 +77,28 @@ class ActivationReader:
                 raise ValueError(f"Layers {missing} were not called by the model's forward pass.")
             return [tf.cast(captured[i], tf.float32) for i in range(len(self._layers))]
 
-        self._forward = tf.function(forward, reduce_retracing=True)
+        self._forward = tf.function(hooked_forward, reduce_retracing=True)
 
     def __call__(self, x) -> list[np.ndarray]:
         return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]
+
+
+def _prefix_model(model, layers):
+    """A Functional model from `model`'s inputs to `layers`' outputs, or None where there is none.
+
+    Needs a Functional (or built Sequential) model whose `layers` are each
+    called once in its graph (`layer.output` is then their output).
+    """
+    if not isinstance(model, keras.Model) or not layers:
+        return None
+    try:
+        inputs = model.input
+        outputs = [layer.output for layer in layers]
+        if any(_internals.call_count(layer) != 1 for layer in layers):
+            return None
+        return keras.Model(inputs, outputs)
+    except (AttributeError, ValueError, TypeError, IndexError):
+        return None
 
 
 def conform_inputs(model, x):

@@ -1,0 +1,219 @@
+"""Cost and benefit: the overhead budget, the stop rule, and the reduced evaluation."""
+
+import json
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+import tf_hwopt
+from tf_hwopt.egeria.policy import EgeriaPolicy, replay
+from tf_hwopt.freezing.budget import (
+    BACKWARD_SHARE,
+    best_case_saving_seconds,
+    freeze_saving_seconds,
+    stretched_interval,
+    worth_evaluating,
+)
+from tf_hwopt.freezing.callback import FreezingCallback
+from tf_hwopt.freezing.policy import Decision, FreezingPolicy
+
+from conftest import compile_model, small_resnet
+
+RECORDED = os.path.join(os.path.dirname(__file__), "data", "recorded_plasticity.json")
+
+
+# ------------------------------------------------------------ pure functions
+
+
+def test_stretched_interval_keeps_evaluation_within_budget():
+    assert stretched_interval(10, 0.01, 0.1, 0.02) == 10  # 1% of training: base interval kept
+    n = stretched_interval(10, 0.5, 0.1, 0.02)
+    assert n == 250
+    assert 0.5 / (n * 0.1) <= 0.02 < 0.5 / ((n - 1) * 0.1)  # the smallest interval within budget
+    assert stretched_interval(10, 0.5, 0.1, None) == 10
+    assert stretched_interval(10, 0.5, 0.0, 0.02) == 10  # step time unknown: base
+
+
+def test_freeze_saving_is_the_backward_share_of_the_module_flops():
+    assert freeze_saving_seconds(0.3, 0.1, 1000) == pytest.approx(BACKWARD_SHARE * 0.3 * 100.0)
+    assert freeze_saving_seconds(0.3, 0.1, -5) == 0.0
+    assert freeze_saving_seconds(0.0, 0.1, 1000) == 0.0
+
+
+@pytest.mark.parametrize(
+    "share,step,earliest,eval_s,freeze_s,expected",
+    [
+        (0.2, 100, 180, 0.5, 0.0, True),  # 820 steps x 0.1 s x 2/3 x 0.2 = 10.9 s > 4 x 0.5 s
+        (0.2, 900, 980, 0.5, 0.0, False),  # 20 steps left: 0.27 s < 2 s of evaluations
+        (0.2, 100, 180, 0.5, 20.0, False),  # the rebuild alone costs more than the saving
+        (0.001, 100, 180, 0.5, 0.0, False),  # a module with almost no FLOPs never repays
+        (0.9, 100, 1000, 0.0, 0.0, False),  # cannot freeze before the end
+    ],
+)
+def test_worth_evaluating(share, step, earliest, eval_s, freeze_s, expected):
+    assert (
+        worth_evaluating(
+            flops_shares=[share],
+            step_seconds=0.1,
+            step=step,
+            total_steps=1000,
+            earliest_freeze_step=earliest,
+            interval=20,
+            evaluation_seconds=eval_s,
+            freeze_seconds=freeze_s,
+        )
+        is expected
+    )
+
+
+def test_best_case_counts_the_modules_a_small_front_opens_the_way_to():
+    kwargs = dict(step_seconds=0.1, total_steps=1000, earliest_freeze_step=100, interval=10, freeze_seconds=1.0)
+    stem_alone = best_case_saving_seconds([0.01], **kwargs)
+    assert stem_alone == 0.0  # 0.6 s saved < 1 s rebuild
+    with_block = best_case_saving_seconds([0.01, 0.3], **kwargs)
+    assert with_block == pytest.approx(
+        freeze_saving_seconds(0.01, 0.1, 900) + freeze_saving_seconds(0.3, 0.1, 890) - 2.0
+    )
+    # A module behind that cannot repay its own rebuild is left out of the best case.
+    assert best_case_saving_seconds([0.01, 0.3, 0.0001], **kwargs) == pytest.approx(with_block)
+    # Near the end nothing repays its rebuild; freezes after the end count for nothing.
+    assert best_case_saving_seconds([0.3, 0.3], **{**kwargs, "earliest_freeze_step": 995}) == 0.0
+    assert best_case_saving_seconds([0.3, 0.3], **{**kwargs, "earliest_freeze_step": 1000}) == 0.0
+
+
+def test_egeria_policy_knows_how_soon_it_can_freeze():
+    policy = EgeriaPolicy(4, window=3, patience=2, bootstrap_steps=0)
+    # window of 3 to fill, then 2 converged evaluations (the filling one counts).
+    assert policy.evaluations_to_freeze() == 4
+    assert policy.earliest_freeze_step(100, 10) == 140
+    policy.observe(10, [1.0, 1.0, 1.0, 1.0])
+    assert policy.evaluations_to_freeze() == 3
+    policy.observe(20, [1.0, 1.0, 1.0, 1.0])
+    policy.observe(30, [1.0, 1.0, 1.0, 1.0])  # window full, slope 0: stable 1
+    assert policy.evaluations_to_freeze() == 1
+    assert policy.observe(40, [1.0, 1.0, 1.0, 1.0]).freeze == (0,)
+    late = EgeriaPolicy(4, window=3, patience=2, bootstrap_steps=500)
+    assert late.earliest_freeze_step(100, 10) == 500
+    capped = EgeriaPolicy(4, max_frozen_fraction=0.25)
+    capped.num_frozen = 1
+    assert capped.evaluations_to_freeze() is None and capped.earliest_freeze_step(0, 10) is None
+
+
+def test_policy_waits_for_unmeasured_modules_and_skips_an_unmeasured_candidate():
+    policy = EgeriaPolicy(4, window=2, patience=1, tolerance=1.0)
+    policy.observe(1, [1.0, 1.0, math.nan, math.nan])
+    assert policy.window_of(2) == []  # not measured: its window waits
+    skipped = policy.observe(2, [math.nan, 1.0, 1.0, 1.0])
+    assert skipped.skipped and policy.window_of(1) == [1.0]
+
+
+# ------------------------------------------------ reduced evaluation = full
+
+
+def _recorded():
+    with open(RECORDED) as f:
+        data = json.load(f)
+    return [
+        (workload, run, data["bootstrap_steps"][workload])
+        for workload, runs in data["runs"].items()
+        for run in runs
+    ]
+
+
+@pytest.mark.parametrize("workload,run,bootstrap", _recorded(), ids=lambda v: str(v) if isinstance(v, str) else "")
+def test_reduced_evaluation_gives_the_recorded_freezes(workload, run, bootstrap):
+    """Runs that measured every module, replayed with only what EgeriaCallback now measures.
+
+    With the candidate and the two modules behind it (the callback's
+    lookahead), the freezes are the recorded ones, step for step. With one
+    module behind, a module that froze within `window` evaluations of the
+    one before it (mnist1d seeds 0 and 2: module 2, two evaluations after
+    module 1) has too short a window then; the recording, which has no
+    values of a frozen module, cannot say when it would have frozen.
+    """
+    make = lambda: EgeriaPolicy(run["num_modules"], bootstrap_steps=bootstrap)  # noqa: E731 - defaults of the recording
+    recorded = [tuple(f) for f in run["freezes"]]
+    assert replay(make(), run["history"]) == recorded  # the replay itself is faithful
+    assert replay(make(), run["history"], lookahead=2) == recorded
+    one_behind = replay(make(), run["history"], lookahead=1)
+    assert one_behind == recorded[: len(one_behind)]
+
+
+# ------------------------------------------------------------ the stop rule
+
+
+class _NeverConverges(FreezingPolicy):
+    def observe(self, step, values=(), learning_rate=None):
+        self.evaluations += 1
+        return Decision()
+
+    def earliest_freeze_step(self, step, interval):
+        return step + interval
+
+
+class _CostlyProbe(FreezingCallback):
+    """A policy whose every evaluation costs 0.3 s: far more than a tiny model's step can repay."""
+
+    def _make_policy(self):
+        return _NeverConverges(len(self.modules))
+
+    def _measure(self):
+        time.sleep(0.3)
+        return [1.0] * len(self.modules)
+
+
+def test_evaluation_stops_when_the_saving_cannot_repay_it(mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    callback = _CostlyProbe(eval_every=4, verbose=0)
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=3, callbacks=[callback], verbose=0)
+    summary = callback.summary()
+    scheduled = 3 * 32 // 4
+    # Either reason: within the 1% budget the next evaluation would come after the end, or it would not repay.
+    assert summary["evaluation_stopped"] is not None
+    assert "cannot freeze before the end" in summary["evaluation_stopped"] or "would save less" in summary[
+        "evaluation_stopped"
+    ]
+    # Stopped after the first estimate (one-off-free evaluation), long before the schedule's 24.
+    assert summary["evaluations"] <= 2 < scheduled
+    assert summary["status"] == "active"  # stepping back is not a failure
+
+
+def test_no_budget_evaluates_on_schedule(mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    callback = _CostlyProbe(eval_every=16, overhead_budget=None, verbose=0)
+    callback._measure = lambda: [1.0] * len(callback.modules)  # free evaluations; the schedule alone counts
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=2, callbacks=[callback], verbose=0)
+    summary = callback.summary()
+    assert summary["evaluation_stopped"] is None
+    assert summary["evaluations"] == 2 * 32 // 16
+    assert summary["eval_interval"] == 16
+
+
+def test_overhead_budget_is_validated():
+    for bad in (0, 1.0, -0.1, "2%", True):
+        with pytest.raises(ValueError, match="overhead_budget"):
+            tf_hwopt.EgeriaCallback(overhead_budget=bad)
+
+
+def test_egeria_measures_only_the_front_and_builds_its_reference_on_demand(mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    egeria = tf_hwopt.EgeriaCallback(
+        probe_size=64, eval_every=4, window=2, patience=1, tolerance=1e6, bootstrap_steps=0,
+        max_frozen_fraction=0.8, overhead_budget=None, asynchronous=False, verbose=0,
+    )
+    model.fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria], verbose=0)
+    num_modules = len(egeria.modules)
+    for entry in egeria.history:
+        measured = [i for i, v in enumerate(entry["plasticity"]) if v is not None]
+        k = entry["frozen"]
+        assert measured == list(range(k, min(k + 3, egeria.policy.max_frozen)))
+    assert egeria.num_frozen == egeria.policy.max_frozen == 4
+    summary = egeria.summary()
+    assert summary["reference_covered_modules"] <= num_modules
+    assert np.isfinite(summary["evaluation_seconds"]) and summary["evaluation_seconds"] > 0

@@ -1,0 +1,130 @@
+"""Cost and benefit of freezing: when to evaluate, and when to stop evaluating.
+
+A freezing callback spends time on the training thread (evaluations, the
+reference model, the BatchNormalization refresh) in the hope of a freeze
+that saves more. These pure functions do its accounting:
+
+- `stretched_interval`: the steps between evaluations that keep their cost
+  within a share (`overhead_budget`) of the training time;
+- `freeze_saving_seconds` and `best_case_saving_seconds`: the most the
+  freezes still possible can save, from the modules' shares of the forward
+  FLOPs, the steps left and the train-function rebuild each costs;
+- `worth_evaluating`: whether that best case repays the evaluations still
+  needed before the next freeze can happen.
+  When it cannot, the callback stops evaluating and says so in `summary()`.
+
+A training step costs about three forward passes (forward, then backward
+through activations and weights); a frozen module skips its two backward
+ones, so freezing a module with share `s` of the forward FLOPs saves about
+`2/3 s` of a step (`BACKWARD_SHARE`). Forward skipping (`fit_with_cache`)
+saves more; the estimate stays the smaller, freezing-only one, so it errs
+on the side of stopping late rather than early.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+#: Share of a training step a frozen module's FLOPs stop costing (2 of ~3 passes).
+BACKWARD_SHARE = 2.0 / 3.0
+
+
+def stretched_interval(base: int, evaluation_seconds: float, step_seconds: float, budget: float | None) -> int:
+    """Steps between evaluations: `base`, or more when evaluating would exceed `budget`.
+
+    Evaluating every `n` steps costs `evaluation_seconds / (n * step_seconds)`
+    of the training time; the result is the smallest `n >= base` that keeps
+    it within `budget` (None: no budget).
+
+    Example:
+    >>> stretched_interval(10, evaluation_seconds=0.5, step_seconds=0.1, budget=0.02)
+    250
+    >>> stretched_interval(10, evaluation_seconds=0.01, step_seconds=0.1, budget=0.02)
+    10
+    """
+    if budget is None or step_seconds <= 0 or evaluation_seconds <= 0:
+        return base
+    return max(base, int(math.ceil(evaluation_seconds / (budget * step_seconds) - 1e-9)))
+
+
+def freeze_saving_seconds(flops_share: float, step_seconds: float, steps: float) -> float:
+    """Seconds a freeze saves: `BACKWARD_SHARE` of the module's FLOPs share of each of `steps` steps.
+
+    Example:
+    >>> round(freeze_saving_seconds(0.3, step_seconds=0.1, steps=1000), 6)
+    20.0
+    """
+    return max(0.0, BACKWARD_SHARE * flops_share * step_seconds * steps)
+
+
+def best_case_saving_seconds(
+    flops_shares: Sequence[float],
+    *,
+    step_seconds: float,
+    total_steps: int,
+    earliest_freeze_step: int,
+    interval: int,
+    freeze_seconds: float = 0.0,
+) -> float:
+    """The most the freezes still possible can save, net of their train-function rebuilds.
+
+    Freezing goes front to back: `flops_shares` are the shares of the
+    modules that may still freeze, the candidate first. Best case, the
+    candidate freezes at `earliest_freeze_step` and each next one an
+    `interval` later, all staying frozen to `total_steps`; each freeze costs
+    `freeze_seconds`. Freezing the candidate may pay only through the ones
+    behind it (a stem with 1% of the FLOPs opens the way to a block with
+    30%), so the best prefix of freezes counts, not the candidate alone.
+
+    Example:
+    >>> round(best_case_saving_seconds([0.01, 0.3], step_seconds=0.1, total_steps=1000,
+    ...                                earliest_freeze_step=100, interval=10, freeze_seconds=1.0), 2)
+    14.4
+    """
+    best = total = 0.0
+    for j, share in enumerate(flops_shares):
+        at = earliest_freeze_step + j * interval
+        if at >= total_steps:
+            break
+        total += freeze_saving_seconds(share, step_seconds, total_steps - at) - freeze_seconds
+        best = max(best, total)
+    return best
+
+
+def worth_evaluating(
+    *,
+    flops_shares: Sequence[float],
+    step_seconds: float,
+    step: int,
+    total_steps: int,
+    earliest_freeze_step: int,
+    interval: int,
+    evaluation_seconds: float,
+    freeze_seconds: float = 0.0,
+) -> bool:
+    """Whether the freezes still possible can repay the evaluations the next one needs.
+
+    `best_case_saving_seconds` against one evaluation every `interval` steps
+    from `step` to `earliest_freeze_step`.
+
+    Example:
+    >>> worth_evaluating(flops_shares=[0.2], step_seconds=0.1, step=900, total_steps=1000,
+    ...                  earliest_freeze_step=980, interval=20, evaluation_seconds=0.5)
+    False
+    >>> worth_evaluating(flops_shares=[0.2], step_seconds=0.1, step=100, total_steps=1000,
+    ...                  earliest_freeze_step=180, interval=20, evaluation_seconds=0.5)
+    True
+    """
+    if earliest_freeze_step >= total_steps:
+        return False
+    evaluations = max(1, math.ceil((earliest_freeze_step - step) / max(1, interval)))
+    saving = best_case_saving_seconds(
+        flops_shares,
+        step_seconds=step_seconds,
+        total_steps=total_steps,
+        earliest_freeze_step=earliest_freeze_step,
+        interval=interval,
+        freeze_seconds=freeze_seconds,
+    )
+    return saving > evaluations * evaluation_seconds
