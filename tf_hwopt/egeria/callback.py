@@ -167,6 +167,7 @@ class EgeriaCallback(FreezingCallback):
                     probe,
                     asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
                     mode=self.reference_mode,
+                    cover=max(self._measured_modules(), default=0),
                 )
             except ReferenceUnavailable as err:
                 self._disable(f"no reference model: {err}")

@@ -496,6 +496,8 @@ class Reference:
         asynchronous: refresh (quantize and evaluate) on a background thread.
         mode: `"auto"` (TFMOT, else int8 weights), `"tfmot"` or
             `"int8-weights"` (forced).
+        cover: the last module the TFMOT model quantizes at first (it grows
+            on demand, see `submit_refresh`).
 
     Attributes:
         path: `"tfmot"` or `"int8-weights"`.
@@ -519,6 +521,7 @@ class Reference:
         *,
         asynchronous: bool = True,
         mode: str = "auto",
+        cover: int = 0,
     ):
         if mode not in REFERENCE_MODES:
             raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={mode!r}")
@@ -534,18 +537,18 @@ class Reference:
         self.refreshes = 0
         self.refreshed_modules: tuple = ()
         start = time.perf_counter()
-        self._impl = self._build(model, self._output_layers, mode)
+        self._impl = self._build(model, self._output_layers, mode, cover)
         self.build_seconds = time.perf_counter() - start
         self.work_seconds = self.build_seconds
 
-    def _build(self, model, output_layers, mode):
+    def _build(self, model, output_layers, mode, cover):
         tfmot_error = None
         if mode in ("auto", TFMOT_PATH):
             try:
                 weights = _snapshot(model)
                 expected = keras.ops.convert_to_numpy(model(_head(self._probe_x), training=False))
                 impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
-                impl.extend(0)
+                impl.extend(cover)
                 logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
                 return impl
             except Exception as err:  # noqa: BLE001 - any failure of TFMOT's path falls back

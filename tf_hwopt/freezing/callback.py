@@ -172,10 +172,10 @@ class FreezingCallback(keras.callbacks.Callback):
         self,
         probe_data=None,
         *,
-        probe_size: int = 256,
+        probe_size: int = 128,
         modules: Sequence[Sequence[str]] | None = None,
         eval_every: int | None = None,
-        overhead_budget: float | None = 0.01,
+        overhead_budget: float | None = 0.02,
         refresh_batch_norm: bool = True,
         log_dir: str | None = None,
         backup_dir: str | None = None,
@@ -231,6 +231,10 @@ class FreezingCallback(keras.callbacks.Callback):
         self._interval = None
         # This fit's clock: its start, our overhead then, its steps, its first step.
         self._fit_clock = None
+        # What rebuilding the train function after a freeze costs: measured on
+        # the first step after one (until then, the fit's first step stands in).
+        self._rebuild_seconds: float | None = None
+        self._rebuilds_seen = 0
         # Set when the callback stepped aside (it cannot handle this model):
         # training goes on, nothing more is frozen.
         self.disabled_reason: str | None = None
@@ -400,7 +404,7 @@ class FreezingCallback(keras.callbacks.Callback):
         shares = self._candidate_flops_shares()
         if earliest is not None and shares is None:
             return  # FLOPs unknown: no estimate, evaluation goes on
-        rebuild = self._fit_clock["first_step"] or 0.0
+        rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._fit_clock["first_step"] or 0.0
         if earliest is not None and worth_evaluating(
             flops_shares=shares,
             step_seconds=step_seconds,
@@ -636,6 +640,8 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
         self._last_batch = -1
+        if self._fit_clock is not None:
+            self._fit_clock["last"] = None  # the gap across an epoch end holds validation, not a rebuild
         if not self._resume_checked and self.active:
             self._resume_checked = True
             if epoch > 0 and self.backup_dir:
@@ -649,11 +655,18 @@ class FreezingCallback(keras.callbacks.Callback):
         self._step += done
         clock = self._fit_clock
         clock["steps"] += done
+        now = time.perf_counter()
         if clock["first_step"] is None:
             # The first call of the train function: Keras traces it. A freeze
             # costs about as much again (the function is rebuilt).
-            clock["first_step"] = time.perf_counter() - clock["start"] - (self._overhead_seconds - clock["overhead"])
+            clock["first_step"] = now - clock["start"] - (self._overhead_seconds - clock["overhead"])
             clock["first_steps"] = done
+        elif self.engine is not None and self.engine.rebuilds > self._rebuilds_seen and clock.get("last"):
+            # The step after a freeze ran the rebuilt (re-traced) train function.
+            step_seconds = self._step_seconds() or 0.0
+            self._rebuild_seconds = max(0.0, now - clock["last"] - done * step_seconds)
+        if self.engine is not None:
+            self._rebuilds_seen = self.engine.rebuilds
         if self._setup_pending and self.disabled_reason is None:
             self._start()
         if self.engine is None:
@@ -668,6 +681,7 @@ class FreezingCallback(keras.callbacks.Callback):
                 self._disable(f"{type(err).__name__} at step {self._step}: {_first_line(err)}")
         if logs is not None:
             logs["frozen_modules"] = _ModuleCount(self.engine.num_frozen)
+        clock["last"] = time.perf_counter()
 
     @timed
     def on_epoch_end(self, epoch, logs=None):
@@ -863,6 +877,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "eval_interval": self._interval or self._eval_every or self.eval_every,
             "evaluations": self.evaluations,
             "evaluation_seconds": self.evaluation_seconds,
+            "rebuild_seconds": self._rebuild_seconds,
             "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
