@@ -217,3 +217,5 @@ def test_egeria_measures_only_the_front_and_builds_its_reference_on_demand(mnist
     summary = egeria.summary()
     assert summary["reference_covered_modules"] <= num_modules
     assert np.isfinite(summary["evaluation_seconds"]) and summary["evaluation_seconds"] > 0
+    # The step after a freeze ran the rebuilt train function: its extra time is the rebuild's cost.
+    assert summary["rebuild_seconds"] is not None and summary["rebuild_seconds"] >= 0.0
