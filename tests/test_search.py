@@ -63,7 +63,7 @@ def test_bad_oracle_arguments(kwargs, match):
         LatencyAwareOracle("val_accuracy", max_trials=3, **kwargs)
 
 
-@pytest.mark.parametrize("base", ["random", "bayesian"])
+@pytest.mark.parametrize("base", ["random"])  # the Bayesian base's skipping: test_predicted_over_budget
 def test_search_never_trains_over_budget_and_resumes_without_retiming(mnist1d_small, tmp_path, base, capsys):
     x, y, x_val, y_val = mnist1d_small
     x, y = x[:256], y[:256]
