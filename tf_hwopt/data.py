@@ -13,7 +13,8 @@ import os
 import numpy as np
 
 
-def _cache_dir() -> str:
+def cache_dir() -> str:
+    """Where generated data and pretrained weights are kept: `$TF_HWOPT_CACHE`, default `~/.cache/tf_hwopt`."""
     return os.environ.get("TF_HWOPT_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "tf_hwopt"))
 
 
@@ -50,7 +51,7 @@ def load_mnist1d(
     distortions = {"corr_noise_scale": corr_noise_scale, "iid_noise_scale": iid_noise_scale, "shear_scale": shear_scale}
     distortions = {k: float(v) for k, v in distortions.items() if v is not None}
     suffix = "".join(f"_{k.split('_')[0]}{v:g}" for k, v in sorted(distortions.items()))
-    path = os.path.join(_cache_dir(), f"mnist1d_{num_samples}_{seed}{suffix}.npz")
+    path = os.path.join(cache_dir(), f"mnist1d_{num_samples}_{seed}{suffix}.npz")
     if cache and os.path.exists(path):
         with np.load(path) as f:
             return (f["x"], f["y"]), (f["x_test"], f["y_test"])
@@ -67,16 +68,11 @@ def load_mnist1d(
     y = data["y"].astype(np.int32)
     y_test = data["y_test"].astype(np.int32)
     if cache:
-        os.makedirs(_cache_dir(), exist_ok=True)
+        os.makedirs(cache_dir(), exist_ok=True)
         tmp = path + f".{os.getpid()}.tmp.npz"
         np.savez(tmp, x=x, y=y, x_test=x_test, y_test=y_test)
         os.replace(tmp, path)
     return (x, y), (x_test, y_test)
-
-
-def cache_dir() -> str:
-    """Where generated data and pretrained weights are kept: `$TF_HWOPT_CACHE`, default `~/.cache/tf_hwopt`."""
-    return _cache_dir()
 
 
 def _stdlib_sources() -> list:

@@ -105,6 +105,28 @@ def _charlm_sizes(profile: str) -> tuple:
     return (320_000, 100_000, 6) if profile == "full" else (40_000, 12_000, 1)
 
 
+def _char_model() -> keras.Model:
+    return char_transformer(seq_len=_SEQ_LEN, num_blocks=4)
+
+
+def _char_lm_workload(name, data, build_model, *, epochs, learning_rate, corpus, pretrained=None) -> Workload:
+    """A char Transformer workload: validation loss in bits per character, batch 64."""
+    return Workload(
+        name=name,
+        metric="loss",
+        data=data,
+        build_model=build_model,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        epochs=epochs,
+        batch_size=64,
+        learning_rate=learning_rate,
+        loss_scale=1.0 / math.log(2.0),
+        unit="bits/char",
+        description=f"{corpus}, {len(data[0][1]) * _SEQ_LEN} train / {len(data[1][1]) * _SEQ_LEN} held-out chars",
+        pretrained=pretrained,
+    )
+
+
 def charlm_workload(profile: str = "full", *, epochs: int | None = None, name: str = "charlm") -> Workload:
     """A 4-block character Transformer on the standard library's source.
 
@@ -112,25 +134,11 @@ def charlm_workload(profile: str = "full", *, epochs: int | None = None, name: s
     per character. `epochs` overrides the profile's (6 in `full`).
     """
     _check_profile(profile)
-    seq_len = _SEQ_LEN
     train_chars, val_chars, default_epochs = _charlm_sizes(profile)
-    epochs = epochs or default_epochs
-    data = load_stdlib_chars(seq_len, max_train_chars=train_chars, max_val_chars=val_chars)
-    return Workload(
-        name=name,
-        metric="loss",
-        data=data,
-        build_model=lambda: char_transformer(seq_len=seq_len, num_blocks=4),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        epochs=epochs,
-        batch_size=64,
-        learning_rate=2e-3,
-        loss_scale=1.0 / math.log(2.0),
-        unit="bits/char",
-        description=(
-            f"char Transformer (4 blocks, d=64), Python stdlib source, "
-            f"{len(data[0][1]) * seq_len} train / {len(data[1][1]) * seq_len} held-out chars"
-        ),
+    data = load_stdlib_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=val_chars)
+    return _char_lm_workload(
+        name, data, _char_model, epochs=epochs or default_epochs, learning_rate=2e-3,
+        corpus="char Transformer (4 blocks, d=64), Python stdlib source",
     )
 
 
@@ -224,34 +232,23 @@ def finetune_charlm_workload(profile: str = "full") -> Workload:
         "learning_rate": 2e-3,
         "seed": 0,
     }
-    build = lambda: char_transformer(seq_len=_SEQ_LEN, num_blocks=4)  # noqa: E731
     path = pretrained_weights(
         f"finetune-charlm-{profile}",
         recipe,
-        lambda: _pretrain(recipe, build, load_stdlib_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=1_000)),
+        lambda: _pretrain(
+            recipe, _char_model, load_stdlib_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=1_000)
+        ),
     )
     data = load_prose_chars(_SEQ_LEN, max_train_chars=train_chars, max_val_chars=val_chars)
 
     def build_pretrained() -> keras.Model:
-        model = build()
+        model = _char_model()
         model.load_weights(path)
         return model
 
-    return Workload(
-        name="finetune-charlm",
-        metric="loss",
-        data=data,
-        build_model=build_pretrained,
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        epochs=epochs,
-        batch_size=64,
-        learning_rate=1e-3,
-        loss_scale=1.0 / math.log(2.0),
-        unit="bits/char",
-        description=(
-            f"char Transformer pretrained on the stdlib source, fine-tuned on pydoc_data prose, "
-            f"{len(data[0][1]) * _SEQ_LEN} train / {len(data[1][1]) * _SEQ_LEN} held-out chars"
-        ),
+    return _char_lm_workload(
+        "finetune-charlm", data, build_pretrained, epochs=epochs, learning_rate=1e-3,
+        corpus="char Transformer pretrained on the stdlib source, fine-tuned on pydoc_data prose",
         pretrained=path,
     )
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import tensorflow as tf
@@ -11,7 +10,7 @@ import tensorflow as tf
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.policy import EgeriaPolicy
-from tf_hwopt.egeria.reference import REFERENCE_MODES, TFMOT_PATH, Reference, ReferenceUnavailable
+from tf_hwopt.egeria.reference import REFERENCE_MODES, Reference, ReferenceUnavailable
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.probe import ActivationReader
 
@@ -171,14 +170,6 @@ class EgeriaCallback(FreezingCallback):
                 )
             except ReferenceUnavailable as err:
                 self._disable(f"no reference model: {err}")
-                return
-            if self.reference_mode == "auto" and self.reference.path != TFMOT_PATH:
-                warnings.warn(
-                    f"EgeriaCallback: the reference model is a clone with int8 weights, not a TFMOT "
-                    f"model ({self.reference.reason}).",
-                    UserWarning,
-                    stacklevel=2,
-                )
 
     def _teardown(self) -> None:
         if self.reference is not None:
@@ -228,8 +219,9 @@ class EgeriaCallback(FreezingCallback):
     def _after_restore(self) -> None:
         # The weights were restored by BackupAndRestore: refresh the reference
         # from them so the next evaluation compares against this state.
-        if self._measured_modules():
-            self.reference.submit_refresh(self.model, self._measured_modules())
+        modules = self._measured_modules()
+        if modules:
+            self.reference.submit_refresh(self.model, modules)
 
     # ----------------------------------------------------------------- report
 

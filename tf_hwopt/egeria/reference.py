@@ -167,9 +167,20 @@ def _rebuild_tf_keras(model, tf_keras):
     return tf_keras.Model(tk_inputs, tk_outputs)
 
 
-def _snapshot(model) -> list[np.ndarray]:
-    """NumPy copies of all of the model's weights, in `model.weights` order."""
-    return [keras.ops.convert_to_numpy(v) for v in model.weights]
+def _snapshot(model, indices: Sequence[int] | None = None) -> dict[int, np.ndarray]:
+    """NumPy copies of the model's weights, keyed by their index in `model.weights` (default: all)."""
+    variables = model.weights
+    indices = range(len(variables)) if indices is None else indices
+    return {i: keras.ops.convert_to_numpy(variables[i]) for i in indices}
+
+
+def _warn_fallback(impl) -> None:
+    """The one warning that the reference is the int8-weights clone, not a TFMOT model (mode "auto")."""
+    warnings.warn(
+        f"EgeriaCallback: the reference model is a clone with int8 weights, not a TFMOT model ({impl.reason}).",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _head(x, n=8):
@@ -254,7 +265,12 @@ class _TfmotReference:
             for name, idx in self._slices.items():
                 _set_layer_weights(tk.get_layer(name), [weights[i] for i in idx])
             self._check_rebuild(tk, probe_x, expected, model.dtype_policy.compute_dtype)
-        self.reason = "rebuilt as tf_keras and quantized with TFMOT"
+
+    @property
+    def reason(self) -> str:
+        return "rebuilt as tf_keras and quantized with TFMOT" + (
+            f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else ""
+        )
 
     def extend(self, upto: int) -> None:
         """Quantizes the prefix of modules `0..upto` (at least), unless already covered."""
@@ -324,9 +340,6 @@ class _TfmotReference:
             self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True))
             self._calibrate_and_read = tf.function(self._calibrate_and_read_fn)
         self.covered = upto
-        self.reason = "rebuilt as tf_keras and quantized with TFMOT" + (
-            f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else ""
-        )
 
     def weight_indices(self) -> list[int]:
         """Indices (in `model.weights`) of the weights the quantized prefix reads."""
@@ -562,6 +575,8 @@ class Reference:
             causes = f"TFMOT: {tfmot_error}; int8 weights: {_one_line(err)}" if tfmot_error else _one_line(err)
             raise ReferenceUnavailable(f"no reference model could be built ({causes})") from err
         logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
+        if tfmot_error is not None:
+            _warn_fallback(impl)
         return impl
 
     def _run(self, fn) -> concurrent.futures.Future:
@@ -610,12 +625,7 @@ class Reference:
             if self._mode != "auto" or self._impl.path != TFMOT_PATH:
                 raise ReferenceUnavailable(f"the {self._impl.path} reference failed: {_one_line(err)}") from err
             self._impl = _CloneReference(model, self._output_layers, self._probe_x, reason=_one_line(err))
-            warnings.warn(
-                f"EgeriaCallback: the reference model is now a clone with int8 weights, not a TFMOT "
-                f"model ({self._impl.reason}).",
-                UserWarning,
-                stacklevel=3,
-            )
+            _warn_fallback(self._impl)
         finally:
             elapsed = time.perf_counter() - start
             self.build_seconds += elapsed
@@ -630,8 +640,7 @@ class Reference:
         """
         modules = tuple(range(len(self._output_layers))) if modules is None else tuple(modules)
         self._extend(model, max(modules))
-        variables = model.weights
-        weights = {i: keras.ops.convert_to_numpy(variables[i]) for i in self._impl.weight_indices()}
+        weights = _snapshot(model, self._impl.weight_indices())
         impl = self._impl
         self.refreshes += 1
         self.refreshed_modules = modules

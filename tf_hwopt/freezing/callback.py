@@ -389,14 +389,12 @@ class FreezingCallback(keras.callbacks.Callback):
         cost = float(np.median(self._evaluation_costs)) if self._evaluation_costs else None
         step_seconds = self._step_seconds()
         interval = self._eval_every
+        if cost is not None and step_seconds:
+            interval = stretched_interval(self._eval_every, cost, step_seconds, self.overhead_budget)
         self._interval = interval
         self._next_eval = self._step + interval
         if cost is None:
             return
-        if step_seconds:
-            interval = stretched_interval(self._eval_every, cost, step_seconds, self.overhead_budget)
-        self._interval = interval
-        self._next_eval = self._step + interval
         total = self.total_steps
         earliest = self.policy.earliest_freeze_step(self._step, interval)
         if self.overhead_budget is None or self.policy.settled or total is None or not step_seconds:
