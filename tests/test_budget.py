@@ -219,3 +219,17 @@ def test_egeria_measures_only_the_front_and_builds_its_reference_on_demand(mnist
     assert np.isfinite(summary["evaluation_seconds"]) and summary["evaluation_seconds"] > 0
     # The step after a freeze ran the rebuilt train function: its extra time is the rebuild's cost.
     assert summary["rebuild_seconds"] is not None and summary["rebuild_seconds"] >= 0.0
+
+
+def test_egeria_steps_back_before_building_the_reference_when_evaluating_cannot_pay(mnist1d_small):
+    """A small model trained for 64 steps: one evaluation costs several steps, so within the 2%
+    budget the next ones would come after the end. Egeria steps back at its first evaluation,
+    before paying for the reference model, and says why."""
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    egeria = tf_hwopt.EgeriaCallback(eval_every=8, verbose=0)
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=2, callbacks=[egeria], verbose=0)
+    summary = egeria.summary()
+    assert summary["evaluation_stopped"].startswith("stepped back at step 8, before building the reference")
+    assert egeria.reference is None and summary["reference_build_seconds"] == 0.0
+    assert summary["status"] == "active" and summary["evaluations"] == 1 and summary["frozen_modules"] == 0

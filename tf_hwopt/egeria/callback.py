@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -11,6 +12,7 @@ from tf_hwopt._checks import check_positive_int
 from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.policy import EgeriaPolicy
 from tf_hwopt.egeria.reference import REFERENCE_MODES, Reference, ReferenceUnavailable
+from tf_hwopt.freezing.budget import stretched_interval, worth_evaluating
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.probe import ActivationReader
 
@@ -21,6 +23,10 @@ STATE_FILE = "egeria_state.json"
 # 1, a module freezing within `window` evaluations of the one before it
 # would wait for its window to fill.
 _LOOKAHEAD = 2
+# One evaluation (reference refresh, reads, SP losses) against one read of the
+# training model's prefix: measured 4-6 on the MNIST-1D ResNet (the low end:
+# the estimate errs towards building the reference).
+_EVALUATION_PER_READ = 4.0
 
 
 class EgeriaCallback(FreezingCallback):
@@ -140,6 +146,7 @@ class EgeriaCallback(FreezingCallback):
         self.reference: Reference | None = None
         self._readers: dict = {}
         self._refreshed_sets: set = set()
+        self._restored_refreshes = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -155,21 +162,67 @@ class EgeriaCallback(FreezingCallback):
         )
 
     def _setup(self, first_fit: bool) -> None:
-        model = self.model
-        probe = self.probe
+        self.probe  # noqa: B018 - drawn now: bad probe data is an error before training time is spent
         self._readers = {}
-        if self.reference is None:
-            try:
-                self.reference = Reference(
-                    model,
-                    [m.output_layer for m in self.modules],
-                    probe,
-                    asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
-                    mode=self.reference_mode,
-                    cover=max(self._measured_modules(), default=0),
-                )
-            except ReferenceUnavailable as err:
-                self._disable(f"no reference model: {err}")
+
+    def _build_reference(self) -> bool:
+        """Builds the reference model (at the first evaluation); False when Egeria stepped aside."""
+        try:
+            self.reference = Reference(
+                self.model,
+                [m.output_layer for m in self.modules],
+                self.probe,
+                asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
+                mode=self.reference_mode,
+                cover=max(self._measured_modules(), default=0),
+            )
+        except ReferenceUnavailable as err:
+            self._disable(f"no reference model: {err}")
+            return False
+        self.reference.refreshes = self._restored_refreshes
+        return True
+
+    def _can_pay(self) -> bool:
+        """Before the reference is built: can evaluating pay at all in this fit?
+
+        The training model's prefix is timed on the probe batch; an evaluation
+        costs about `_EVALUATION_PER_READ` times that (the reference's
+        calibration and quantized passes, the weight copies, the SP losses).
+        If, spaced within `overhead_budget`, evaluations cannot lead to a
+        freeze that repays them before the end, Egeria steps back now, before
+        paying for the reference.
+        """
+        step_seconds, total = self._step_seconds(), self.total_steps
+        shares = self._candidate_flops_shares()
+        if self.overhead_budget is None or not step_seconds or total is None or shares is None:
+            return True
+        modules = self._measured_modules()
+        reader = self._reader_for(modules)
+        reader(self.probe)  # traced once
+        start = time.perf_counter()
+        reader(self.probe)
+        cost = _EVALUATION_PER_READ * (time.perf_counter() - start)
+        interval = stretched_interval(self._eval_every, cost, step_seconds, self.overhead_budget)
+        earliest = self.policy.earliest_freeze_step(self._step, interval)
+        if earliest is not None and worth_evaluating(
+            flops_shares=shares,
+            step_seconds=step_seconds,
+            step=self._step,
+            total_steps=total,
+            earliest_freeze_step=earliest,
+            interval=interval,
+            evaluation_seconds=cost,
+        ):
+            return True
+        self.evaluation_stopped = (
+            f"stepped back at step {self._step}, before building the reference: an evaluation would cost "
+            f"about {cost:.3f} s against {step_seconds:.3f} s per step, so within overhead_budget="
+            f"{self.overhead_budget:g} one every {interval} steps, and module {self.policy.num_frozen} "
+            f"could freeze at step {earliest} at the soonest of {total}: too late to repay it"
+        )
+        if self.verbose:
+            print(f"EgeriaCallback: {self.evaluation_stopped}.", flush=True)
+        return False
 
     def _teardown(self) -> None:
         if self.reference is not None:
@@ -183,15 +236,25 @@ class EgeriaCallback(FreezingCallback):
         last = min(k + _LOOKAHEAD, self.policy.max_frozen - 1)
         return tuple(range(k, last + 1))
 
-    def _measure(self) -> list[float] | None:
-        """The measured modules' plasticity (NaN elsewhere); None while the reference lacks the candidate."""
-        modules = self.reference.refreshed_modules if self.reference.ready() else ()
-        if self.policy.num_frozen not in modules:
-            return None
+    def _reader_for(self, modules: tuple) -> ActivationReader:
         if modules not in self._readers:
             self._one_off_work = True  # a new reader: traced at its first call
             self._readers[modules] = ActivationReader(self.model, [self.modules[i].output_layer for i in modules])
-        activations = dict(zip(modules, self._readers[modules](self.probe)))
+        return self._readers[modules]
+
+    def _measure(self) -> list[float] | None:
+        """The measured modules' plasticity (NaN elsewhere); None while the reference lacks the candidate."""
+        if self.reference is None:
+            # The first evaluation: the step time is known now. Build the
+            # reference only if evaluating can pay (its first refresh follows).
+            self._one_off_work = True
+            if self._can_pay():
+                self._build_reference()
+            return None
+        modules = self.reference.refreshed_modules if self.reference.ready() else ()
+        if self.policy.num_frozen not in modules:
+            return None
+        activations = dict(zip(modules, self._reader_for(modules)(self.probe)))
         reference = dict(zip(modules, self.reference.activations()))
         return [
             sp_loss(activations[i], reference[i], gram_dtype=np.float32) if i in activations else math.nan
@@ -199,7 +262,7 @@ class EgeriaCallback(FreezingCallback):
         ]
 
     def _after_evaluation(self, decision) -> None:
-        if self.policy.settled or self.evaluation_stopped:
+        if self.reference is None or self.policy.settled or self.evaluation_stopped or self.disabled_reason:
             return
         modules = self._measured_modules()
         if modules and (
@@ -211,17 +274,19 @@ class EgeriaCallback(FreezingCallback):
             self.reference.submit_refresh(self.model, modules)
 
     def _extra_state(self) -> dict:
-        return {"reference_refreshes": self.reference.refreshes}
+        return {"reference_refreshes": self.reference.refreshes if self.reference else self._restored_refreshes}
 
     def _load_extra_state(self, state: dict) -> None:
-        self.reference.refreshes = int(state.get("reference_refreshes", self.reference.refreshes))
+        self._restored_refreshes = int(state.get("reference_refreshes", 0))
+        if self.reference is not None:
+            self.reference.refreshes = self._restored_refreshes
 
     def _after_restore(self) -> None:
         # The weights were restored by BackupAndRestore: refresh the reference
-        # from them so the next evaluation compares against this state.
-        modules = self._measured_modules()
-        if modules:
-            self.reference.submit_refresh(self.model, modules)
+        # from them so the next evaluation compares against this state (a
+        # reference not built yet is built from them at the next evaluation).
+        if self.reference is not None and self._measured_modules():
+            self.reference.submit_refresh(self.model, self._measured_modules())
 
     # ----------------------------------------------------------------- report
 

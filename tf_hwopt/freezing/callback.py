@@ -504,6 +504,7 @@ class FreezingCallback(keras.callbacks.Callback):
         (front to back, each read after the ones before it were refreshed);
         how far they were (`batch_norm_drift`) is recorded with the event.
         """
+        self._one_off_work = True  # a freeze is no estimate of the next evaluations' cost
         drifts = {i: self._refresh_batch_norm(i) if self.refresh_batch_norm else None for i in indices}
         changed = self.engine.freeze(indices)
         for i in changed:

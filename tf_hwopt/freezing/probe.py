@@ -23,11 +23,11 @@ from tf_hwopt._layer_hooks import hooked_calls
 class ActivationReader:
     """Reads the output (or input) of chosen layers of a Keras 3 model on a batch.
 
-    For a Functional model whose chosen layers are each called once, the
-    outputs are read from a sub-model that ends at them, so only the layers
-    they depend on run (freezing goes front to back: the front is all an
-    evaluation needs). Otherwise (subclassed models, shared layers, inputs
-    captured) a hook on each chosen layer's `call` records its output (or its
+    For a Functional model whose chosen layers are each called once, their
+    outputs (or inputs) are read from a sub-model that ends at them, so only
+    the layers they depend on run (freezing goes front to back: the front is
+    all an evaluation needs). Otherwise (subclassed models, shared layers) a
+    hook on each chosen layer's `call` records its output (or its
     first input) while the whole forward function is traced. Either way the
     traced function returns float32 tensors and is reused afterwards
     (weights are read at run time, never copied). The model runs in
@@ -48,7 +48,7 @@ class ActivationReader:
             raise ValueError(f"`capture` must be 'outputs' or 'inputs'. Received: capture={capture!r}")
         self._model = model
         self._layers = list(layers)
-        prefix = _prefix_model(model, self._layers) if capture == "outputs" else None
+        prefix = _prefix_model(model, self._layers, capture)
         self.prefix_only = prefix is not None
         if prefix is not None:
 
@@ -83,17 +83,20 @@ class ActivationReader:
         return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]
 
 
-def _prefix_model(model, layers):
-    """A Functional model from `model`'s inputs to `layers`' outputs, or None where there is none.
+def _prefix_model(model, layers, capture: str = "outputs"):
+    """A Functional model from `model`'s inputs to `layers`' outputs (or inputs), or None where there is none.
 
     Needs a Functional (or built Sequential) model whose `layers` are each
-    called once in its graph (`layer.output` is then their output).
+    called once in its graph (`layer.output` is then their output), on a
+    single tensor when their inputs are read.
     """
     if not isinstance(model, keras.Model) or not layers:
         return None
     try:
         inputs = model.input
-        outputs = [layer.output for layer in layers]
+        outputs = [layer.output if capture == "outputs" else layer.input for layer in layers]
+        if not all(isinstance(t, keras.KerasTensor) for t in outputs):
+            return None
         if any(_internals.call_count(layer) != 1 for layer in layers):
             return None
         return keras.Model(inputs, outputs)
