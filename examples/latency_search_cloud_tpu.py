@@ -1,7 +1,8 @@
 """Latency-aware hyperparameter search, locally or on Cloud TPU.
 
-Searches a 1D ResNet on MNIST-1D (block width, depth, batch size; aligned to
-the hardware profile) for the most accurate model whose training step fits a
+Searches a 1D ResNet on MNIST-1D (block width, depth, batch size, learning
+rate; aligned to the hardware profile; random search, Bayesian optimization or
+Hyperband) for the most accurate model whose training step fits a
 time budget. Candidates are timed (XLA-compiled step) before training; those
 over budget are never trained. The best in-budget model is exported as a
 SavedModel at the end.
@@ -41,19 +42,33 @@ import keras  # noqa: E402
 from tf_hwopt.data import load_mnist1d  # noqa: E402
 from tf_hwopt.hardware.distribute import strategy_for  # noqa: E402
 from tf_hwopt.hardware.profiles import load_profile  # noqa: E402
-from tf_hwopt.search import HardwareSpace, LatencyAwareOracle, LatencyAwareTuner, is_search_worker  # noqa: E402
+import keras_tuner  # noqa: E402
+from tf_hwopt.search import (  # noqa: E402
+    HardwareSpace,
+    LatencyAwareBayesianOptimization,
+    LatencyAwareHyperband,
+    LatencyAwareRandomSearch,
+    is_search_worker,
+)
 
 
-def make_hypermodel(profile, max_width: int, max_blocks: int, max_batch: int):
-    """`build(hp)` for a 1D ResNet whose space follows `profile`."""
+class ResNetSpace(keras_tuner.HyperModel):
+    """A 1D ResNet whose space follows a hardware profile; the batch size is a hyperparameter of `fit`.
 
-    def build(hp):
+    The tuner times each candidate on the batch size its `fit` picks here, so
+    no tuner subclass is needed for it.
+    """
+
+    def __init__(self, profile, max_width: int, max_blocks: int, max_batch: int):
+        super().__init__()
+        self.profile, self.max_width, self.max_blocks, self.max_batch = profile, max_width, max_blocks, max_batch
+
+    def build(self, hp):
         from tf_hwopt.models import resnet1d
 
-        space = HardwareSpace(hp, profile)
-        width = space.width("width", 16, max_width)
-        blocks = hp.Int("blocks", 1, max_blocks)
-        space.batch_size(32, max_batch)
+        space = HardwareSpace(hp, self.profile)
+        width = space.width("width", 16, self.max_width)
+        blocks = hp.Int("blocks", 1, self.max_blocks)
         keras.config.set_dtype_policy(space.dtype_policy())
         try:
             model = resnet1d(widths=(width,) * blocks, strides=(1,) * blocks, stem_width=width)
@@ -67,15 +82,16 @@ def make_hypermodel(profile, max_width: int, max_blocks: int, max_batch: int):
         )
         return model
 
-    return build
+    def fit(self, hp, model, *args, **kwargs):
+        batch_size = HardwareSpace(hp, self.profile).batch_size(32, self.max_batch)
+        return model.fit(*args, batch_size=batch_size, **kwargs)
 
 
-class _BatchSizeTuner(LatencyAwareTuner):
-    """Trains each trial with its own `batch_size` hyperparameter."""
-
-    def run_trial(self, trial, *args, **kwargs):
-        kwargs["batch_size"] = trial.hyperparameters.get("batch_size")
-        return super().run_trial(trial, *args, **kwargs)
+TUNERS = {
+    "random": LatencyAwareRandomSearch,
+    "bayesian": LatencyAwareBayesianOptimization,
+    "hyperband": LatencyAwareHyperband,
+}
 
 
 def main(argv=None) -> dict:
@@ -85,8 +101,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--timing", choices=("measured", "estimated"), default="measured")
     parser.add_argument("--budget-ms", type=float, default=40.0, help="training step budget (ms)")
     parser.add_argument("--max-trials", type=int, default=10)
-    parser.add_argument("--base", choices=("random", "bayesian"), default="bayesian")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--tuner", choices=tuple(TUNERS), default="bayesian")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs per trial (Hyperband: max_epochs)")
     parser.add_argument("--samples", type=int, default=10_000)
     parser.add_argument("--max-width", type=int, default=256)
     parser.add_argument("--max-blocks", type=int, default=4)
@@ -105,25 +121,30 @@ def main(argv=None) -> dict:
     if args.tpu is not None or (args.timing == "measured" and profile.strategy != "default"):
         strategy = strategy_for(profile, tpu=args.tpu or None)
     (x, y), (x_val, y_val) = load_mnist1d(args.samples)
-    oracle = LatencyAwareOracle(
-        "val_accuracy", max_trials=args.max_trials, latency_budget_ms=args.budget_ms, base=args.base, seed=args.seed
-    )
-    tuner = _BatchSizeTuner(
-        make_hypermodel(profile, args.max_width, args.max_blocks, args.max_batch),
-        oracle=oracle,
+    size = {"max_epochs": args.epochs} if args.tuner == "hyperband" else {"max_trials": args.max_trials}
+    tuner = TUNERS[args.tuner](
+        ResNetSpace(profile, args.max_width, args.max_blocks, args.max_batch),
+        "val_accuracy",
+        latency_budget_ms=args.budget_ms,
         profile=profile,
         timing=args.timing,
+        # Wider, deeper and bigger batches are slower per step: the oracle
+        # skips what a known over-budget candidate dominates along these.
+        latency_increasing=["width", "blocks", "batch_size"],
+        latency_independent=["learning_rate"],
+        seed=args.seed,
         distribution_strategy=strategy,
         directory=args.directory,
         project_name=args.project,
         overwrite=args.overwrite,
+        **size,
     )
-    tuner.search(x, y, epochs=args.epochs, validation_data=(x_val, y_val), verbose=0)
+    fit = {} if args.tuner == "hyperband" else {"epochs": args.epochs}
+    tuner.search(x, y, validation_data=(x_val, y_val), verbose=0, **fit)
     if is_search_worker():
         return {"role": os.environ["KERASTUNER_TUNER_ID"]}  # a worker: the chief reports
     tuner.results_summary(num_trials=3)
-    project = os.path.join(args.directory, args.project)
-    front = tuner.write_pareto(os.path.join(project, "pareto.json"), os.path.join(project, "pareto.png"))
+    front = tuner.pareto_front()  # also written to the project folder as pareto.json / pareto.png
     rows = tuner.trial_latencies()
     summary = {
         "profile": profile.name,

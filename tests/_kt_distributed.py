@@ -12,7 +12,7 @@ import tf_hwopt  # noqa: F401  (quiet TensorFlow import first)
 import keras
 import numpy as np
 
-from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner
+from tf_hwopt.search import LatencyAwareRandomSearchOracle, LatencyAwareTuner
 
 
 def build(hp):
@@ -40,7 +40,7 @@ def main(out_dir, project_dir, budget_ms, max_trials):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 40)).astype("float32")
     y = rng.integers(0, 10, 256).astype("int32")
-    oracle = LatencyAwareOracle("val_accuracy", max_trials=max_trials, latency_budget_ms=budget_ms, seed=3)
+    oracle = LatencyAwareRandomSearchOracle("val_accuracy", max_trials=max_trials, latency_budget_ms=budget_ms, seed=3)
     tuner = RecordingTuner(build, oracle=oracle, profile="cpu", timing="estimated",
                            directory=os.path.dirname(project_dir), project_name=os.path.basename(project_dir))
     tuner.search(x, y, epochs=1, batch_size=32, validation_data=(x[:64], y[:64]), verbose=0)

@@ -18,7 +18,7 @@ from tf_hwopt.peers import FreezeOutCallback, GradientNormFreezeCallback
 from tf_hwopt.training import fit_multi_worker, fit_with_cache
 from tf_hwopt.export import export_saved_model
 from tf_hwopt.hardware.profiles import load_profile
-from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner, time_step
+from tf_hwopt.search import LatencyAwareRandomSearch, LatencyAwareTuner, time_step
 from conftest import SmallSubclassed, compile_model, small_resnet
 
 
@@ -86,10 +86,10 @@ CASES = [
     ("GPU profile, no GPU", lambda m, f: strategy_for("gpu-h100"), ValueError, "has none"),
     ("timing mode", lambda m, f: time_step(m, (X, Y), mode="infer"), ValueError, "mode"),
     ("timing uncompiled", lambda m, f: time_step(small_resnet(seed=3), (X, Y)), ValueError, "compiled"),
-    ("budget", lambda m, f: LatencyAwareOracle("val_accuracy", max_trials=2, latency_budget_ms=0), ValueError,
-     "latency_budget_ms"),
+    ("budget", lambda m, f: LatencyAwareRandomSearch(lambda hp: m, "val_accuracy", max_trials=2,
+                                                     latency_budget_ms=0), ValueError, "latency_budget_ms"),
     ("oracle kind", lambda m, f: LatencyAwareTuner(lambda hp: m, oracle=keras_tuner.oracles.RandomSearchOracle(
-        "val_accuracy", max_trials=2)), ValueError, "LatencyAwareOracle"),
+        "val_accuracy", max_trials=2)), ValueError, "latency-aware oracle"),
     # Strategy/driver mismatch
     ("multi-worker batch", lambda m, f: fit_multi_worker(m, X, Y, loss=keras.losses.MeanSquaredError(), epochs=1,
                                                          batch_size=0, strategy=tf.distribute.get_strategy()),

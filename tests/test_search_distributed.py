@@ -10,7 +10,7 @@ import keras_tuner
 import numpy as np
 import tensorflow as tf
 
-from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner, estimate_step
+from tf_hwopt.search import LatencyAwareRandomSearch, estimate_step
 
 HERE = os.path.dirname(__file__)
 
@@ -84,9 +84,9 @@ def test_mirrored_strategy_over_two_logical_cpus_runs_a_trial(tmp_path):
     # test process can collide on collective instance keys.
     strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
     budget, build = _budget()
-    oracle = LatencyAwareOracle("val_accuracy", max_trials=1, latency_budget_ms=1e6, seed=0)
-    tuner = LatencyAwareTuner(build, oracle=oracle, profile="cpu", timing="measured", timing_steps=3,
-                              distribution_strategy=strategy, directory=str(tmp_path), project_name="mirrored")
+    tuner = LatencyAwareRandomSearch(build, "val_accuracy", max_trials=1, latency_budget_ms=1e6, seed=0,
+                                     timing="measured", timing_steps=3,
+                                     distribution_strategy=strategy, directory=str(tmp_path), project_name="mirrored")
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((128, 40)).astype("float32"), rng.integers(0, 10, 128).astype("int32")
     tuner.search(x, y, epochs=1, batch_size=32, validation_data=(x[:64], y[:64]), verbose=0)

@@ -18,7 +18,12 @@ from tf_hwopt.export import ExportResult, export_best, export_saved_model  # noq
 from tf_hwopt.freezing import FreezingCallback, describe_modules  # noqa: E402
 from tf_hwopt.hardware import distribute, list_profiles, load_profile  # noqa: E402
 from tf_hwopt.peers import FreezeOutCallback, GradientNormFreezeCallback  # noqa: E402
-from tf_hwopt.search import LatencyAwareOracle, LatencyAwareTuner  # noqa: E402
+from tf_hwopt.search import (  # noqa: E402
+    LatencyAwareBayesianOptimization,
+    LatencyAwareHyperband,
+    LatencyAwareRandomSearch,
+    LatencyAwareTuner,
+)
 from tf_hwopt.training import TrainingResult, fit_multi_worker, fit_with_cache  # noqa: E402
 
 __version__ = "0.1.0"

@@ -189,3 +189,47 @@ def kerastuner_is_worker() -> bool:
     from keras_tuner.src.distribute import utils as dist_utils
 
     return dist_utils.has_chief_oracle() and not dist_utils.is_chief_oracle()
+
+
+class FilteredRandomValues:
+    """Oracle mixin: randomly drawn values must pass `self.accept_values(values)`.
+
+    KerasTuner draws random candidates in the private `Oracle._random_values`
+    (RandomSearch's proposals, BayesianOptimization's initial points,
+    Hyperband's first rounds) and offers no public hook to veto one
+    (KerasTuner 1.4.8). A rejected draw is marked tried (the private
+    `Oracle._tried_so_far`, keyed by `_compute_values_hash`) so that it is not
+    drawn again. KerasTuner gives up after 20 repeated draws in a row, which
+    ends a search while feasible candidates are still untried once most of a
+    small space is rejected; this keeps drawing up to `self.max_proposals`
+    times.
+    """
+
+    def _random_values(self):
+        for _ in range(self.max_proposals):
+            values = super()._random_values()
+            if values is None:  # 20 repeats in a row: not necessarily exhausted
+                continue
+            if self.accept_values(values):
+                return values
+            self._tried_so_far.add(self._compute_values_hash(values))
+        return None
+
+
+def hyperband_release_slot(oracle, trial_id: str) -> bool:
+    """Frees a Hyperband bracket's slot held by a trial that never trained.
+
+    Hyperband counts a first-round slot as used once a trial is created in it,
+    and an over-budget trial (ended before training) would leave its bracket
+    with one candidate fewer to promote. The bracket bookkeeping is private
+    (KerasTuner 1.4.8: `HyperbandOracle._brackets`, each with `rounds` of
+    `{"past_id", "id"}`); removing the entry lets the oracle fill the slot with
+    another candidate. Returns whether a slot was freed.
+    """
+    freed = False
+    for bracket in oracle._brackets:
+        for round_info in bracket["rounds"]:
+            kept = [info for info in round_info if info["id"] != trial_id]
+            freed |= len(kept) != len(round_info)
+            round_info[:] = kept
+    return freed

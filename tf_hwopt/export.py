@@ -22,6 +22,7 @@ and reports its size and, with labelled `eval_data`, its accuracy delta.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import uuid
@@ -372,7 +373,8 @@ def export_best(tuner, path: str, *, overwrite: bool = False, sample=None) -> Ex
     candidates = []
     for trial in oracle.get_best_trials(len(oracle.trials)):
         latency = oracle.known_latency(trial.hyperparameters.values)
-        if trial.status == "COMPLETED" and latency is not None and latency["latency_ms"] <= budget:
+        if (trial.status == "COMPLETED" and latency is not None and latency.get("latency_ms", math.inf) <= budget
+                and not oracle.violations(latency)):
             candidates.append((trial, latency))
     if not candidates:
         raise ValueError(f"No completed trial fits the {budget:g} ms budget; nothing to export.")

@@ -45,6 +45,8 @@ class StepTiming:
         peak_memory_bytes: peak device memory where the device reports it.
         flops, bytes_moved: per step, when estimated.
         device: where it was measured, or the target profile's name.
+        blocks: blocks the timed steps were split into (the median is the
+            median of the block medians).
     """
 
     median_ms: float
@@ -59,6 +61,7 @@ class StepTiming:
     flops: float | None = None
     bytes_moved: float | None = None
     device: str = ""
+    blocks: int = 1
 
     def label(self) -> str:
         return f"{self.median_ms:.3f} ms ({self.kind}, {self.mode}, {self.device})"
@@ -70,6 +73,14 @@ def _check_mode(mode):
 
 
 def _weights_state(model):
+    """Every variable a training step changes, and its value now.
+
+    The optimizer is built first: its slot variables (Adam's moments) would
+    otherwise be created by the timed steps and left behind with their values.
+    """
+    if model.optimizer is not None and not model.optimizer.built:
+        with model.distribute_strategy.scope():  # slots live where the strategy places the weights
+            model.optimizer.build(model.trainable_variables)
     variables = list(model.variables)
     if model.optimizer is not None:
         variables += list(model.optimizer.variables)
@@ -106,22 +117,36 @@ def time_step(
     batch,
     *,
     mode: str = "train",
-    warmup: int = 3,
-    steps: int = 20,
+    warmup: int = 5,
+    steps: int = 40,
+    blocks: int | None = None,
     profile: HardwareProfile | str | None = None,
     jit_compile: bool = True,
+    steps_per_execution: int | None = None,
 ) -> StepTiming:
     """Measures one XLA-compiled step of `model` on `batch` on this device.
 
+    The step is Keras's own train function (as `fit` runs it, fed from a
+    `tf.data` iterator, `steps_per_execution` steps per call) or the serving
+    forward pass. The timed calls are split into `blocks` consecutive blocks;
+    the reported step time is the median of the blocks' median step times,
+    which a burst of noise on a shared host moves less than the mean or a
+    single median.
+
     Args:
         model: a Keras model; compiled (loss and optimizer) for `mode="train"`.
-        batch: `(x, y)` for training, `x` (or `(x, y)`) for serving.
+        batch: `(x, y)` or `(x, y, sample_weight)` for training, `x` (or
+            `(x, y)`) for serving; its first dimension is the batch size.
         mode: `"train"` (forward, backward, optimizer update) or `"serve"`.
         warmup: calls after the first (compiling) one that are not timed.
-        steps: timed calls; the median is reported.
+        steps: timed calls in all.
+        blocks: blocks the timed calls are split into (1 <= blocks <= steps;
+            default `min(8, steps)`).
         profile: if given, a candidate whose memory lower bound exceeds the
             profile's memory is refused before anything runs.
         jit_compile: compile with XLA (default, as on TPU).
+        steps_per_execution: training steps per call (default: the model's
+            own, as compiled); the reported time is per step.
 
     Returns:
         A `StepTiming` with `kind="measured"`.
@@ -135,7 +160,14 @@ def time_step(
         raise ValueError(f"`steps` must be an integer >= 3. Received: steps={steps!r}")
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"`warmup` must be an integer >= 0. Received: warmup={warmup!r}")
-    x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
+    blocks = min(8, steps) if blocks is None else blocks
+    if not isinstance(blocks, int) or not 1 <= blocks <= steps:
+        raise ValueError(f"`blocks` must be an integer in [1, steps={steps}]. Received: blocks={blocks!r}")
+    if steps_per_execution is not None and (not isinstance(steps_per_execution, int) or steps_per_execution < 1):
+        raise ValueError(
+            f"`steps_per_execution` must be None or an integer >= 1. Received: {steps_per_execution!r}"
+        )
+    x, y, sample_weight = _unpack(batch)
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
     if profile is not None:
         profile = as_profile(profile)
@@ -152,15 +184,21 @@ def time_step(
         if y is None:
             raise ValueError("time_step(mode='train') needs `batch=(x, y)`.")
         variables, saved = _weights_state(model)
-        previous_jit = model.jit_compile
+        previous = model.jit_compile, model.steps_per_execution
+        per_call = steps_per_execution or int(model.steps_per_execution or 1)
         model.jit_compile = jit_compile
+        model.steps_per_execution = per_call
         model.make_train_function(force=True)
+        data = (x, y) if sample_weight is None else (x, y, sample_weight)
+        # As `fit` feeds it: a (distributed) tf.data iterator of global batches.
+        dataset = tf.data.Dataset.from_tensors(data).repeat()
+        iterator = iter(model.distribute_strategy.experimental_distribute_dataset(dataset))
 
         def call():
-            return model.train_on_batch(x, y, return_dict=False)
+            return model.train_function(iterator)
 
     else:
-        variables = None
+        variables, per_call = None, 1
         forward = tf.function(lambda inputs: model(inputs, training=False), jit_compile=jit_compile)
 
         def call():
@@ -180,16 +218,16 @@ def time_step(
         for _ in range(steps):
             start = time.perf_counter()
             sync(call())
-            times.append(1e3 * (time.perf_counter() - start))
+            times.append(1e3 * (time.perf_counter() - start) / per_call)
     finally:
         if variables is not None:
             for v, value in zip(variables, saved):
                 v.assign(value)
-            model.jit_compile = previous_jit
+            model.jit_compile, model.steps_per_execution = previous
             model.make_train_function(force=True)
     times = np.asarray(times)
     return StepTiming(
-        median_ms=float(np.median(times)),
+        median_ms=median_of_block_medians(times, blocks),
         kind="measured",
         mode=mode,
         p10_ms=float(np.percentile(times, 10)),
@@ -199,7 +237,28 @@ def time_step(
         compile_ms=compile_ms,
         peak_memory_bytes=_peak_memory(),
         device=_device_name(),
+        blocks=blocks,
     )
+
+
+def median_of_block_medians(times, blocks: int) -> float:
+    """The median over `blocks` consecutive blocks of each block's median.
+
+    Example:
+    >>> median_of_block_medians([1.0, 1.0, 9.0, 2.0, 2.0, 2.0], 2)
+    1.5
+    """
+    times = np.asarray(times, float)
+    if not 1 <= blocks <= len(times):
+        raise ValueError(f"`blocks` must be in [1, {len(times)}]. Received: blocks={blocks!r}")
+    return float(np.median([np.median(block) for block in np.array_split(times, blocks)]))
+
+
+def _unpack(batch):
+    """`(x, y, sample_weight)` from a batch as `fit` takes it (`x`, `(x, y)` or `(x, y, sample_weight)`)."""
+    if isinstance(batch, tuple) and len(batch) in (2, 3):
+        return batch + (None,) * (3 - len(batch))
+    return batch, None, None
 
 
 def _device_name() -> str:
@@ -236,7 +295,7 @@ def estimate_step(
     """
     _check_mode(mode)
     profile = as_profile(profile)
-    x, y = (batch if isinstance(batch, tuple) and len(batch) == 2 else (batch, None))
+    x, y, _ = _unpack(batch)
     specs = keras.tree.map_structure(lambda a: tf.TensorSpec(np.shape(a), tf.as_dtype(np.asarray(a).dtype)), x)
     trainable = model.trainable_variables
 
