@@ -164,25 +164,25 @@ def test_spearman_and_cv():
 
 
 def test_search_benchmark_tiny_run_is_complete(tmp_path):
-    from tf_hwopt.bench.search import run_search_benchmark
+    """Estimated timing stands in for measurements: no verdict here depends on this host's speed."""
+    from tf_hwopt.bench.search import format_search_markdown, run_search_benchmark
 
     out = tmp_path / "search.json"
-    results = run_search_benchmark(max_trials=3, epochs=1, samples=1000, batch_size=32, timing_steps=3,
-                                   widths=(16, 128), max_blocks=2, json_path=str(out), verbose=0)
+    results = run_search_benchmark(seeds=(0,), max_trials=3, max_epochs=2, epochs=1, samples=1000, batch_size=32,
+                                   timing_steps=3, widths=(16, 128), max_blocks=2, timing="estimated",
+                                   json_path=str(out), verbose=0)
     saved = json.loads(out.read_text())
     assert saved["budget_ms"] == pytest.approx(results["budget_ms"])
     assert saved["grid_over_budget_fraction"] >= 0.5
-    assert set(saved["searches"]) == {"latency_aware", "random+filter", "bayesian+filter"}
-    for name, s in saved["searches"].items():
-        # On a 4-point grid the latency-aware oracle may run out of candidates
-        # that are neither measured over budget nor dominated by one: which
-        # ones are over budget depends on this host's measured step times.
-        expected = range(1, 4) if name == "latency_aware" else [3]
-        assert s["trials"] in expected and s["wall_time_s"] > 0
-        if s["best_in_budget"] is not None:
-            assert s["best_in_budget"]["latency_ms"] <= saved["budget_ms"]
-    ours = saved["searches"]["latency_aware"]
-    assert ours["trained_trials"] + ours["over_budget_trials"] == ours["trials"]
-    assert 1 <= ours["timed_candidates"] <= ours["trials"] and 0 < ours["timing_s"] < ours["wall_time_s"]
-    assert len(saved["timing"]["grid"]) == 4 and -1.0 <= saved["timing"]["spearman_estimated_vs_measured"] <= 1.0
-    assert saved["timing"]["repeatability_cv"] >= 0.0
+    assert set(saved["runs"]) == set(saved["summary"]) == {"random", "bayesian", "hyperband"}
+    for strategy, (run,) in saved["runs"].items():
+        stock, ours = run["stock"], run["ours"]
+        assert stock["wall_time_s"] > 0 and stock["models_timed_after_training"] == stock["trained_trials"] > 0
+        assert ours["trained_over_budget"] == 0  # never trains an over-budget candidate
+        for best in (stock["best_in_budget"], ours["best_in_budget_at_equal_wall_time"]):
+            assert best is None or best["latency_ms"] <= saved["budget_ms"]
+        if strategy != "hyperband":
+            assert stock["trials"] == 3 and run["wall_time_ratio_at_equal_trials"] > 0
+    assert len(saved["timing"]["grid"]) == 4 and saved["timing"]["spearman_estimated_vs_measured"] == 1.0
+    assert "| hyperband |" in format_search_markdown(saved)
+

@@ -2,7 +2,7 @@
 
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
     tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
-    tf-hwopt bench search [--max-trials N] [--epochs N] [--json PATH]
+    tf-hwopt bench search [--seeds 0,1,2] [--strategies random,bayesian,hyperband] [--max-trials N] [--json PATH]
     tf-hwopt export MODEL.keras OUT_DIR [--int8-tflite] [--representative-data X.npy] [--overwrite]
 """
 
@@ -17,6 +17,16 @@ def _positive(value: str) -> int:
     if number <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return number
+
+
+def _int_list(value: str) -> list[int]:
+    try:
+        numbers = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        numbers = []
+    if not numbers:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}")
+    return numbers
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,12 +64,14 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")
     search = kinds.add_parser(
         "search",
-        help="LatencyAwareOracle vs KerasTuner RandomSearch/BayesianOptimization + post-hoc latency filter",
+        help="latency-aware RandomSearch/BayesianOptimization/Hyperband vs KerasTuner's + post-hoc latency filter",
     )
-    search.add_argument("--max-trials", type=_positive, default=10)
+    search.add_argument("--seeds", type=_int_list, default=[0, 1, 2], help="comma-separated seeds")
+    search.add_argument("--strategies", default="random,bayesian,hyperband", help="comma-separated")
+    search.add_argument("--max-trials", type=_positive, default=8, help="random and Bayesian baselines' trials")
+    search.add_argument("--max-epochs", type=_positive, default=4, help="Hyperband's max_epochs")
     search.add_argument("--epochs", type=_positive, default=2)
-    search.add_argument("--samples", type=_positive, default=25_000, help="MNIST-1D examples (80%% train)")
-    search.add_argument("--seed", type=int, default=0)
+    search.add_argument("--samples", type=_positive, default=10_000, help="MNIST-1D examples (80%% train)")
     search.add_argument("--json", default="bench_results/search.json")
     export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")
     export.add_argument("model", help="a .keras file")
@@ -103,8 +115,8 @@ def main(argv=None) -> int:
     elif args.command == "bench" and args.bench == "search":
         from tf_hwopt.bench.search import run_search_benchmark
 
-        run_search_benchmark(max_trials=args.max_trials, epochs=args.epochs, samples=args.samples, seed=args.seed,
-                             json_path=args.json)
+        run_search_benchmark(seeds=args.seeds, strategies=args.strategies.split(","), max_trials=args.max_trials,
+                             max_epochs=args.max_epochs, epochs=args.epochs, samples=args.samples, json_path=args.json)
     elif args.command == "export":
         return _export(parser, args)
     return 0

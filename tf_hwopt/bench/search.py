@@ -1,24 +1,27 @@
-"""The search benchmark: latency-aware search against KerasTuner's own searches plus a filter.
+"""The search benchmark: latency-aware tuners against KerasTuner's own plus a post-hoc filter.
 
-    tf-hwopt bench search --json bench_results/search.json
+    tf-hwopt bench search --seeds 0,1,2 --json bench_results/search.json
 
 One space (a 1D ResNet on MNIST-1D: width, depth, learning rate), one step
-budget set so that at least half of the space is over it, one `max_trials`
-for everyone:
+budget set so that at least half of the space is over it. For each seed and
+each strategy (random search, Bayesian optimization, Hyperband):
 
-- `latency_aware`: `LatencyAwareOracle` (Bayesian base, hard budget) in a
-  `LatencyAwareTuner`: every candidate is timed first; over-budget ones are
-  never trained.
-- `random+filter` and `bayesian+filter`: KerasTuner's `RandomSearch` and
-  `BayesianOptimization` train every candidate; afterwards each trained
-  model's step is timed (as a user would have to) and the best in-budget one
-  is kept.
+- `<strategy>+filter`: KerasTuner's `RandomSearch` / `BayesianOptimization` /
+  `Hyperband` trains every candidate; afterwards each trained model's step is
+  timed (as a user would have to; counted in its wall time) and the best
+  in-budget one is kept. Its wall time is W.
+- `latency-aware <strategy>`: our tuner with the same seed, run until it has
+  both made the baseline's number of trials and spent W: every candidate is
+  timed first; over-budget ones are never trained.
 
-Reported: best in-budget objective and total search wall time (timing
-included). Also measured here: the repeatability of `time_step` (coefficient
-of variation of repeated medians on one model) and the Spearman rank
-correlation between estimated (`cpu` profile, calibrated) and measured step
-times over a grid of candidates.
+Reported per strategy, mean and spread over seeds: the wall-time ratio at
+equal trials (random, Bayesian), and the best in-budget objective at equal
+wall time W (each search's best among the trials finished by W; "in budget"
+judged for every search by the same grid of measured step times). Also: the
+repeatability of `time_step` (coefficient of variation of repeated medians
+on one model), how close its median is to a step of `model.fit`, and the
+Spearman rank correlation between estimated (`cpu` profile, calibrated) and
+measured step times over the grid.
 """
 
 from __future__ import annotations
@@ -38,10 +41,9 @@ import keras_tuner
 from tf_hwopt.data import load_mnist1d
 from tf_hwopt.hardware.profiles import load_profile
 from tf_hwopt.models import resnet1d
-from tf_hwopt.search.oracle import LatencyAwareOracle
 from tf_hwopt.search.spaces import HardwareSpace
 from tf_hwopt.search.timing import estimate_step, time_step
-from tf_hwopt.search.tuner import LatencyAwareTuner
+from tf_hwopt.search.tuner import LatencyAwareBayesianOptimization, LatencyAwareHyperband, LatencyAwareRandomSearch
 
 WIDTHS = (16, 32, 64, 128, 192, 256)
 MAX_BLOCKS = 4
@@ -110,150 +112,268 @@ def _candidate(build, width, blocks, lr=1e-3):
     return build(hp)
 
 
-def _grid_timings(build, widths, max_blocks, batch, profile, steps):
+STRATEGIES = {
+    # name: (KerasTuner's tuner, ours, size argument)
+    "random": (keras_tuner.RandomSearch, LatencyAwareRandomSearch, "max_trials"),
+    "bayesian": (keras_tuner.BayesianOptimization, LatencyAwareBayesianOptimization, "max_trials"),
+    "hyperband": (keras_tuner.Hyperband, LatencyAwareHyperband, "max_epochs"),
+}
+_UNBOUNDED = {"max_trials": 1000, "max_epochs": None}  # ours runs until the deadline
+
+
+def _grid_timings(build, widths, max_blocks, batch, profile, steps, timing):
     rows = []
     for width in widths:
         for blocks in range(1, max_blocks + 1):
             model = _candidate(build, width, blocks)
-            measured = time_step(model, batch, steps=steps)
             estimated = estimate_step(model, batch, profile)
-            rows.append({"width": width, "blocks": blocks, "measured_ms": measured.median_ms,
-                         "measured_cv": measured.cv, "estimated_ms": estimated.median_ms})
+            if timing == "measured":
+                measured = time_step(model, batch, steps=steps)
+                ms, cv = measured.median_ms, measured.cv
+            else:  # deterministic: the roofline estimate stands in for the measurement
+                ms, cv = estimated.median_ms, 0.0
+            rows.append({"width": width, "blocks": blocks, "measured_ms": ms, "measured_cv": cv,
+                         "estimated_ms": estimated.median_ms})
     return rows
 
 
-def _post_hoc_best(tuner, build, batch, budget, steps, timing_cache):
-    """Times every trained trial's model and keeps the best in-budget one."""
-    best, timed = None, 0
-    for trial in tuner.oracle.get_best_trials(len(tuner.oracle.trials)):
-        if trial.status != "COMPLETED" or trial.score is None:
+def _recording(cls):
+    """`cls` whose trials' end times are recorded, stopping once `stop(trials_ended)` says so."""
+
+    class Recording(cls):
+        def on_search_begin(self):
+            super().on_search_begin()
+            self.started, self.ended = time.perf_counter(), []
+
+        def on_trial_end(self, trial):
+            super().on_trial_end(trial)
+            self.ended.append((time.perf_counter() - self.started, trial.trial_id))
+            if getattr(self, "stop", None) and self.stop(self):
+                self.oracle.max_trials = len(self.oracle.trials)  # KerasTuner creates no further trial
+
+    Recording.__name__ = cls.__name__
+    return Recording
+
+
+def _key(values) -> tuple:
+    return values.get("width"), values.get("blocks")
+
+
+def _best_by(tuner, seconds: float, latency: dict, budget: float) -> dict | None:
+    """The best trained, in-budget trial among those ended by `seconds` (latency judged from the grid)."""
+    ended = {trial_id for t, trial_id in tuner.ended if t <= seconds}
+    best = None
+    for trial_id in ended:
+        trial = tuner.oracle.trials[trial_id]
+        if trial.status != "COMPLETED" or trial.score is None or latency[_key(trial.hyperparameters.values)] > budget:
             continue
-        key = (trial.hyperparameters.get("width"), trial.hyperparameters.get("blocks"))
-        if key not in timing_cache:
-            timing_cache[key] = time_step(build(trial.hyperparameters), batch, steps=steps).median_ms
-            timed += 1
-        if timing_cache[key] <= budget and (best is None or trial.score > best["score"]):
-            best = {"score": trial.score, "values": trial.hyperparameters.values, "latency_ms": timing_cache[key]}
-    return best, timed
+        if best is None or trial.score > best["score"]:
+            best = {"score": trial.score, "values": trial.hyperparameters.values,
+                    "latency_ms": latency[_key(trial.hyperparameters.values)]}
+    return best
+
+
+def _post_hoc_filter_seconds(tuner, build, batch, steps, timing) -> tuple[float, int]:
+    """Times every trained candidate as a user would after a stock search; returns (seconds, models timed)."""
+    started, timed = time.perf_counter(), set()
+    for trial in tuner.oracle.trials.values():
+        key = _key(trial.hyperparameters.values)
+        if trial.status == "COMPLETED" and key not in timed:
+            model = build(trial.hyperparameters)
+            time_step(model, batch, steps=steps) if timing == "measured" else estimate_step(model, batch, "cpu")
+            timed.add(key)
+    return time.perf_counter() - started, len(timed)
+
+
+def _run_pair(strategy, seed, *, build, fit, size, budget, latency, batch, timing_steps, timing, workdir):
+    stock_cls, ours_cls, size_name = STRATEGIES[strategy]
+    stock = _recording(stock_cls)(build, objective="val_accuracy", seed=seed, directory=workdir,
+                                  project_name=f"{strategy}_filter_{seed}", overwrite=True, **{size_name: size})
+    stock.search(**fit)
+    filter_s, filtered = _post_hoc_filter_seconds(stock, build, batch, timing_steps, timing)
+    wall = stock.ended[-1][0] + filter_s
+    trials = len(stock.oracle.trials)
+
+    ours = _recording(ours_cls)(
+        build, "val_accuracy", latency_budget_ms=budget, seed=seed, timing=timing, timing_steps=timing_steps,
+        latency_increasing=["width", "blocks"], latency_independent=["learning_rate"],
+        directory=workdir, project_name=f"{strategy}_ours_{seed}", overwrite=True,
+        **({size_name: size, "hyperband_iterations": 100} if size_name == "max_epochs"
+           else {size_name: _UNBOUNDED[size_name]}),
+    )
+    ours.stop = lambda t: len(t.oracle.trials) >= trials and time.perf_counter() - t.started >= wall
+    ours.search(**fit)
+    ours_at_equal_trials = ours.ended[min(trials, len(ours.ended)) - 1][0]
+    rows = ours.trial_latencies()
+    stock_trained = sum(t.status == "COMPLETED" for t in stock.oracle.trials.values())
+    ours_by_wall = [trial_id for t, trial_id in ours.ended if t <= wall]
+    return {
+        "stock": {
+            "wall_time_s": wall, "post_hoc_timing_s": filter_s, "models_timed_after_training": filtered,
+            "trials": trials, "trained_trials": stock_trained,
+            "best_in_budget": _best_by(stock, float("inf"), latency, budget),
+        },
+        "ours": {
+            "wall_time_s_at_equal_trials": ours_at_equal_trials,
+            "trials_by_equal_wall_time": len(ours_by_wall),
+            "trained_by_equal_wall_time": sum(ours.oracle.trials[i].status == "COMPLETED" for i in ours_by_wall),
+            "best_in_budget_at_equal_trials": _best_by(ours, ours_at_equal_trials, latency, budget),
+            "best_in_budget_at_equal_wall_time": _best_by(ours, wall, latency, budget),
+            "over_budget_trials": sum(bool(r["over_budget"]) for r in rows),
+            "skipped_proposals": ours.oracle.skipped_proposals,
+            "timed_candidates": ours.timed_candidates,
+            "timing_s": ours.timing_seconds,
+            "trained_over_budget": sum(r["trained"] and latency[_key(r["values"])] > budget for r in rows),
+        },
+        "wall_time_ratio_at_equal_trials": wall / ours_at_equal_trials,
+    }
+
+
+def _fit_step_ms(build, width, blocks, x, y, batch_size) -> float:
+    """The median step of `model.fit` (callback clock), for comparing `time_step` with training."""
+    stamps = []
+    clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_: stamps.append(time.perf_counter()))
+    model = _candidate(build, width, blocks)
+    model.jit_compile = True
+    model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, callbacks=[clock], verbose=0)
+    return 1e3 * float(np.median(np.diff(stamps[5:])))
+
+
+def _spread(values) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"mean": None, "min": None, "max": None, "n": 0}
+    return {"mean": float(np.mean(values)), "std": float(np.std(values)), "min": float(np.min(values)),
+            "max": float(np.max(values)), "n": len(values)}
 
 
 def run_search_benchmark(
     *,
-    max_trials: int = 10,
+    seeds: Sequence[int] = (0, 1, 2),
+    strategies: Sequence[str] = tuple(STRATEGIES),
+    max_trials: int = 8,
+    max_epochs: int = 4,
     epochs: int = 2,
-    samples: int = 25_000,
+    samples: int = 10_000,
     batch_size: int = 128,
-    timing_steps: int = 20,
+    timing_steps: int = 40,
+    repeats: int = 8,
     budget_quantile: float = 0.4,
     widths: Sequence[int] = WIDTHS,
     max_blocks: int = MAX_BLOCKS,
-    seed: int = 0,
+    timing: str = "measured",
     json_path: str | None = None,
     directory: str | None = None,
     verbose: int = 1,
 ) -> dict:
-    """Runs the three searches at equal `max_trials` and the timing checks; writes JSON.
+    """Runs each strategy's stock search + filter and our latency-aware one, per seed; writes JSON.
 
     Args:
-        max_trials: trials per search (over-budget ones included).
-        epochs, samples, batch_size: training of each trial.
-        timing_steps: timed steps per measurement.
+        seeds: one run of every strategy per seed.
+        strategies: among `"random"`, `"bayesian"`, `"hyperband"`.
+        max_trials: trials of the random and Bayesian baselines.
+        max_epochs: Hyperband's `max_epochs` (baseline: one iteration).
+        epochs, samples, batch_size: training of each trial (Hyperband sets epochs itself).
+        timing_steps: timed steps per measurement; `repeats`: repeated
+            measurements of one model for the repeatability figure.
         budget_quantile: the budget is this quantile of the measured step
             times over the (width, depth) grid, so a fraction
             `1 - budget_quantile` of the space is over it.
         widths, max_blocks: the space (and the timing grid).
+        timing: `"measured"`, or `"estimated"` (roofline estimates stand in for
+            every measurement: deterministic, for tests).
         directory: KerasTuner's working folder (default: a temporary one, removed).
 
     Returns:
-        `{"budget_ms", "searches": {name: {"best_in_budget", "wall_time_s",
-        "trained_trials", ...}}, "speedup_vs": {...}, "timing": {"cv", "spearman", ...}}`.
+        `{"budget_ms", "runs": {strategy: [per seed]}, "summary": {strategy: spreads}, "timing": {...}}`.
     """
     say = printer(verbose)
-    for name, value in (("max_trials", max_trials), ("epochs", epochs), ("samples", samples)):
+    for name, value in (("max_trials", max_trials), ("max_epochs", max_epochs), ("epochs", epochs),
+                        ("samples", samples), ("repeats", repeats)):
         check_positive_int(name, value)
     if not 0.0 < budget_quantile < 0.5 + 1e-9:
         raise ValueError(f"`budget_quantile` must be in (0, 0.5]. Received: {budget_quantile!r}")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise ValueError(f"`strategies` must be among {tuple(STRATEGIES)}. Received: {list(strategies)!r}")
+    if timing not in ("measured", "estimated"):
+        raise ValueError(f"`timing` must be 'measured' or 'estimated'. Received: {timing!r}")
+    if not seeds:
+        raise ValueError("`seeds` must name at least one seed.")
     started = time.perf_counter()
     (x, y), (x_val, y_val) = load_mnist1d(samples)
     batch = (x[:batch_size], y[:batch_size])
     profile = load_profile("cpu", calibrate=True)
 
     build = make_build(widths, max_blocks)
-    say(f"Timing the grid ({len(widths)} widths x {max_blocks} depths): measured and estimated...", flush=True)
-    grid = _grid_timings(build, widths, max_blocks, batch, profile, timing_steps)
+    say(f"Timing the grid ({len(widths)} widths x {max_blocks} depths): {timing} and estimated...", flush=True)
+    grid = _grid_timings(build, widths, max_blocks, batch, profile, timing_steps, timing)
     measured = [r["measured_ms"] for r in grid]
+    latency = {(r["width"], r["blocks"]): r["measured_ms"] for r in grid}
     budget = float(np.quantile(measured, budget_quantile))
     over = sum(m > budget for m in measured) / len(measured)
-    say(f"Budget {budget:.2f} ms/step: {100 * over:.0f}% of the grid is over it.", flush=True)
+    say(f"Budget {budget:.3g} ms/step: {100 * over:.0f}% of the grid is over it.", flush=True)
 
-    say("Repeatability: the same model timed 5 times...", flush=True)
-    repeat_model = _candidate(build, widths[len(widths) // 2], max(1, max_blocks // 2))
-    repeats = [time_step(repeat_model, batch, steps=timing_steps).median_ms for _ in range(5)]
+    timing_report = {"grid": grid, "candidates": len(grid),
+                     "spearman_estimated_vs_measured": spearman([r["estimated_ms"] for r in grid], measured)}
+    if timing == "measured":
+        say(f"Repeatability: the same model timed {repeats} times; and a step of model.fit...", flush=True)
+        width, blocks = widths[len(widths) // 2], max(1, max_blocks // 2)
+        repeat_model = _candidate(build, width, blocks)
+        medians = [time_step(repeat_model, batch, steps=timing_steps).median_ms for _ in range(repeats)]
+        fit_ms = _fit_step_ms(build, width, blocks, np.tile(x[:batch_size], (40, 1, 1)),
+                              np.tile(y[:batch_size], 40), batch_size)
+        timing_report.update({
+            "repeat_medians_ms": medians,
+            "repeatability_cv": coefficient_of_variation(medians),
+            "repeat_spread_ms": [float(np.min(medians)), float(np.max(medians))],
+            "fit_step_ms": fit_ms,
+            "time_step_over_fit_step": float(np.median(medians)) / fit_ms,
+        })
 
     workdir = directory or tempfile.mkdtemp(prefix="tf_hwopt_search_bench_")
-    fit = dict(epochs=epochs, batch_size=batch_size, validation_data=(x_val, y_val), verbose=0)
-    searches = {}
+    fit = dict(x=x, y=y, epochs=epochs, batch_size=batch_size, validation_data=(x_val, y_val), verbose=0)
+    runs: dict[str, list] = {s: [] for s in strategies}
     try:
-        # Ours.
-        t0 = time.perf_counter()
-        oracle = LatencyAwareOracle("val_accuracy", max_trials=max_trials, latency_budget_ms=budget,
-                                    base="bayesian", seed=seed)
-        tuner = LatencyAwareTuner(build, oracle=oracle, profile="cpu", timing_steps=timing_steps,
-                                  directory=workdir, project_name="latency_aware", overwrite=True)
-        tuner.search(x, y, **fit)
-        rows = tuner.trial_latencies()
-        in_budget = [r for r in rows if r["trained"] and r["latency_ms"] <= budget and r["score"] is not None]
-        best = max(in_budget, key=lambda r: r["score"]) if in_budget else None
-        searches["latency_aware"] = {
-            "wall_time_s": time.perf_counter() - t0,
-            "trials": len(rows),
-            "trained_trials": sum(r["trained"] for r in rows),
-            "over_budget_trials": sum(r["latency_ms"] is not None and r["latency_ms"] > budget for r in rows),
-            "skipped_proposals": oracle.skipped_proposals,
-            "timed_candidates": tuner.timed_candidates,
-            "timing_s": tuner.timing_seconds,
-            "best_in_budget": None if best is None else
-            {"score": best["score"], "values": best["values"], "latency_ms": best["latency_ms"]},
-        }
-        say(f"  latency_aware: {searches['latency_aware']['wall_time_s']:.1f} s", flush=True)
-        # KerasTuner's own, then a post-hoc latency filter.
-        for name, cls in (("random+filter", keras_tuner.RandomSearch),
-                          ("bayesian+filter", keras_tuner.BayesianOptimization)):
-            t0 = time.perf_counter()
-            baseline = cls(build, objective="val_accuracy", max_trials=max_trials, seed=seed,
-                           directory=workdir, project_name=name.replace("+", "_"), overwrite=True)
-            baseline.search(x, y, **fit)
-            best, timed = _post_hoc_best(baseline, build, batch, budget, timing_steps, {})
-            trials = list(baseline.oracle.trials.values())
-            searches[name] = {
-                "wall_time_s": time.perf_counter() - t0,
-                "trials": len(trials),
-                "trained_trials": sum(t.status == "COMPLETED" for t in trials),
-                "timed_after_training": timed,
-                "best_in_budget": best,
-            }
-            say(f"  {name}: {searches[name]['wall_time_s']:.1f} s", flush=True)
+        for seed in seeds:
+            for strategy in strategies:
+                size = max_epochs if STRATEGIES[strategy][2] == "max_epochs" else max_trials
+                run = _run_pair(strategy, seed, build=build, fit=fit, size=size, budget=budget, latency=latency,
+                                batch=batch, timing_steps=timing_steps, timing=timing, workdir=workdir)
+                run["seed"] = seed
+                runs[strategy].append(run)
+                say(f"  seed {seed} {strategy}: stock+filter {run['stock']['wall_time_s']:.0f} s, ours "
+                    f"{run['ours']['wall_time_s_at_equal_trials']:.0f} s at equal trials", flush=True)
     finally:
         if directory is None:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    ours = searches["latency_aware"]
+    def score(best):
+        return None if best is None else best["score"]
+
+    summary = {}
+    for strategy, per_seed in runs.items():
+        summary[strategy] = {
+            "wall_time_ratio_at_equal_trials": _spread([r["wall_time_ratio_at_equal_trials"] for r in per_seed]),
+            "stock_best_in_budget": _spread([score(r["stock"]["best_in_budget"]) for r in per_seed]),
+            "ours_best_in_budget_at_equal_trials": _spread(
+                [score(r["ours"]["best_in_budget_at_equal_trials"]) for r in per_seed]),
+            "ours_best_in_budget_at_equal_wall_time": _spread(
+                [score(r["ours"]["best_in_budget_at_equal_wall_time"]) for r in per_seed]),
+            "stock_trained_trials": _spread([r["stock"]["trained_trials"] for r in per_seed]),
+            "ours_trained_by_equal_wall_time": _spread([r["ours"]["trained_by_equal_wall_time"] for r in per_seed]),
+            "ours_trained_over_budget": sum(r["ours"]["trained_over_budget"] for r in per_seed),
+        }
     results = {
         "space": {"widths": list(widths), "blocks": [1, max_blocks], "learning_rate": [5e-4, 5e-3]},
-        "config": {"max_trials": max_trials, "epochs": epochs, "samples": samples, "batch_size": batch_size,
-                   "seed": seed},
+        "config": {"seeds": list(seeds), "strategies": list(strategies), "max_trials": max_trials,
+                   "max_epochs": max_epochs, "epochs": epochs, "samples": samples, "batch_size": batch_size,
+                   "timing": timing, "timing_steps": timing_steps},
         "budget_ms": budget,
         "grid_over_budget_fraction": over,
-        "searches": searches,
-        "speedup_vs": {name: s["wall_time_s"] / ours["wall_time_s"] for name, s in searches.items()
-                       if name != "latency_aware"},
-        "timing": {
-            "repeat_medians_ms": repeats,
-            "repeatability_cv": coefficient_of_variation(repeats),
-            "grid": grid,
-            "spearman_estimated_vs_measured": spearman([r["estimated_ms"] for r in grid], measured),
-            "candidates": len(grid),
-        },
+        "runs": runs,
+        "summary": summary,
+        "timing": timing_report,
         "elapsed_s": time.perf_counter() - started,
     }
     say(format_search_markdown(results))
@@ -263,28 +383,43 @@ def run_search_benchmark(
     return results
 
 
+def _pm(spread: dict, scale: float = 1.0, fmt: str = ".2f", unit: str = "") -> str:
+    if not spread.get("n"):
+        return "none"
+    return (f"{scale * spread['mean']:{fmt}}{unit} ({scale * spread['min']:{fmt}}-{scale * spread['max']:{fmt}})")
+
+
 def format_search_markdown(results: dict) -> str:
-    """The search benchmark's table."""
+    """The search benchmark's table: means over seeds, (min-max) beside them."""
+    config = results["config"]
     lines = [
-        f"Budget {results['budget_ms']:.2f} ms/step (train step, batch {results['config']['batch_size']}, "
-        f"measured on this CPU); {100 * results['grid_over_budget_fraction']:.0f}% of the (width, depth) grid "
-        f"is over it; max_trials={results['config']['max_trials']} for every search.",
+        f"Budget {results['budget_ms']:.3g} ms/step (train step, batch {config['batch_size']}, {config['timing']} "
+        f"on this host); {100 * results['grid_over_budget_fraction']:.0f}% of the (width, depth) grid is over it. "
+        f"Seeds {config['seeds']}; random/Bayesian: {config['max_trials']} trials, Hyperband: "
+        f"max_epochs={config['max_epochs']}. Mean (min-max) over seeds.",
         "",
-        "| search | best in-budget val accuracy | search wall s | trained trials | our speedup |",
-        "|---|---|---|---|---|",
+        "| strategy | wall-time ratio, equal trials | best in-budget val acc: stock + filter | ours, equal trials "
+        "| ours, equal wall time | trained: stock / ours in equal wall time |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, s in results["searches"].items():
-        best = s["best_in_budget"]
-        score = "none" if best is None else f"{100 * best['score']:.2f}%"
-        speedup = "-" if name == "latency_aware" else f"{results['speedup_vs'][name]:.2f}x"
-        lines.append(f"| {name} | {score} | {s['wall_time_s']:.1f} | {s['trained_trials']}/{s['trials']} | {speedup} |")
-    ours = results["searches"].get("latency_aware", {})
+    for strategy, s in results["summary"].items():
+        ratio = "-" if strategy == "hyperband" else _pm(s["wall_time_ratio_at_equal_trials"], unit="x")
+        equal_trials = ("-" if strategy == "hyperband"
+                        else _pm(s["ours_best_in_budget_at_equal_trials"], 100, ".1f", "%"))
+        lines.append(
+            f"| {strategy} | {ratio} | {_pm(s['stock_best_in_budget'], 100, '.1f', '%')} | {equal_trials} "
+            f"| {_pm(s['ours_best_in_budget_at_equal_wall_time'], 100, '.1f', '%')} "
+            f"| {_pm(s['stock_trained_trials'], fmt='.1f')} / {_pm(s['ours_trained_by_equal_wall_time'], fmt='.1f')} |"
+        )
     t = results["timing"]
-    lines += [
-        "",
-        f"latency_aware timed {ours.get('timed_candidates', '?')} candidates in {ours.get('timing_s', float('nan')):.1f} s "
-        "(XLA compilation included) of its search wall time.",
-        f"time_step repeatability: CV {100 * t['repeatability_cv']:.1f}% over 5 repeated medians; "
-        f"Spearman(estimated, measured) = {t['spearman_estimated_vs_measured']:.3f} over {t['candidates']} candidates.",
-    ]
+    over_trained = sum(s["ours_trained_over_budget"] for s in results["summary"].values())
+    lines += ["", f"Over-budget candidates trained by our tuners (judged by the grid): {over_trained}."]
+    if "repeatability_cv" in t:
+        lines.append(
+            f"time_step repeatability: CV {100 * t['repeatability_cv']:.1f}% over {len(t['repeat_medians_ms'])} "
+            f"repeated medians ({t['repeat_spread_ms'][0]:.2f}-{t['repeat_spread_ms'][1]:.2f} ms); time_step / "
+            f"model.fit step = {t['time_step_over_fit_step']:.2f}."
+        )
+    lines.append(f"Spearman(estimated, measured) = {t['spearman_estimated_vs_measured']:.3f} over "
+                 f"{t['candidates']} candidates.")
     return "\n".join(lines)
