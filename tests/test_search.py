@@ -347,3 +347,24 @@ def test_estimated_search_resumes_without_retiming(data, tmp_path):
     assert again.time_candidate(known, x, y, batch_size=32).median_ms == rows[0]["latency_ms"]
     assert again.timed_candidates == 0
     assert os.path.exists(tmp_path / "resume" / "pareto.json")
+
+
+def test_a_hypermodel_that_trains_without_model_fit_is_timed_after_training_with_one_warning(data, tmp_path):
+    x, y = data
+
+    class Scores(keras_tuner.HyperModel):
+        def build(self, hp):
+            return _mlp(hp.Choice("units", [8, 16, 32]))
+
+        def fit(self, hp, model, *args, **kwargs):
+            return {"val_accuracy": hp.get("units") / 100.0}  # a custom loop, no model.fit
+
+    table = LatencyTable()
+    tuner = LatencyAwareRandomSearch(Scores(), "val_accuracy", max_trials=3, latency_budget_ms=100.0,
+                                     timing=table, seed=0, directory=str(tmp_path), project_name="nofit")
+    with pytest.warns(UserWarning, match="without calling model.fit") as caught:
+        tuner.search(x, y, batch_size=16)
+    assert sum("without calling model.fit" in str(w.message) for w in caught) == 1
+    rows = tuner.trial_latencies()
+    assert len(rows) == 3 and all(r["trained"] and r["latency_ms"] > 0 for r in rows)
+    assert {c["batch_size"] for c in table.calls} == {16}

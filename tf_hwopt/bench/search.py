@@ -232,7 +232,7 @@ def _run_pair(strategy, seed, *, build, fit, size, budget, latency, batch, timin
 def _fit_step_ms(build, width, blocks, x, y, batch_size) -> float:
     """The median step of `model.fit` (callback clock), for comparing `time_step` with training."""
     stamps = []
-    clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda *_: stamps.append(time.perf_counter()))
+    clock = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs=None: stamps.append(time.perf_counter()))
     model = _candidate(build, width, blocks)
     model.jit_compile = True
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, callbacks=[clock], verbose=0)

@@ -12,7 +12,7 @@ from tf_hwopt._checks import check_positive_int
 from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.policy import EgeriaPolicy
 from tf_hwopt.egeria.reference import REFERENCE_MODES, Reference, ReferenceUnavailable
-from tf_hwopt.freezing.budget import stretched_interval, worth_evaluating
+from tf_hwopt.freezing.budget import stretched_interval
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.probe import ActivationReader
 
@@ -204,15 +204,7 @@ class EgeriaCallback(FreezingCallback):
         cost = _EVALUATION_PER_READ * (time.perf_counter() - start)
         interval = stretched_interval(self._eval_every, cost, step_seconds, self.overhead_budget)
         earliest = self.policy.earliest_freeze_step(self._step, interval)
-        if earliest is not None and worth_evaluating(
-            flops_shares=shares,
-            step_seconds=step_seconds,
-            step=self._step,
-            total_steps=total,
-            earliest_freeze_step=earliest,
-            interval=interval,
-            evaluation_seconds=cost,
-        ):
+        if self._repays(earliest, interval, cost, shares, step_seconds):
             return True
         self.evaluation_stopped = (
             f"stepped back at step {self._step}, before building the reference: an evaluation would cost "

@@ -384,6 +384,20 @@ class FreezingCallback(keras.callbacks.Callback):
         elapsed = time.perf_counter() - clock["start"] - (self._overhead_seconds - clock["overhead"])
         return max(0.0, elapsed - clock["first_step"]) / (clock["steps"] - clock["first_steps"])
 
+    def _repays(self, earliest, interval: int, cost: float, shares, step_seconds: float,
+                freeze_seconds: float = 0.0) -> bool:
+        """Whether freezes from step `earliest` on can still repay evaluations of `cost` every `interval` steps."""
+        return earliest is not None and worth_evaluating(
+            flops_shares=shares,
+            step_seconds=step_seconds,
+            step=self._step,
+            total_steps=self.total_steps,
+            earliest_freeze_step=earliest,
+            interval=interval,
+            evaluation_seconds=cost,
+            freeze_seconds=freeze_seconds,
+        )
+
     def _plan_next_evaluation(self) -> None:
         """Schedules the next evaluation within `overhead_budget`; stops evaluating when it cannot pay."""
         cost = float(np.median(self._evaluation_costs)) if self._evaluation_costs else None
@@ -406,16 +420,7 @@ class FreezingCallback(keras.callbacks.Callback):
         # fit's first step, tracing included, is no estimate: 5.3 s against a
         # measured 1.7 s rebuild on the MNIST-1D ResNet.)
         rebuild = self._rebuild_seconds or 0.0
-        if earliest is not None and worth_evaluating(
-            flops_shares=shares,
-            step_seconds=step_seconds,
-            step=self._step,
-            total_steps=total,
-            earliest_freeze_step=earliest,
-            interval=interval,
-            evaluation_seconds=cost,
-            freeze_seconds=rebuild,
-        ):
+        if self._repays(earliest, interval, cost, shares, step_seconds, rebuild):
             return
         module = self.policy.num_frozen
         self.evaluation_stopped = (

@@ -36,7 +36,6 @@ from tf_hwopt.search.dominance import check_directions, confirmed_directions, do
 OVER_BUDGET = "tf_hwopt:over-budget"
 # Metrics the tuner reports before training (no objective exists yet).
 CONSTRAINT_METRICS = ("latency_ms", "latency_estimated", "params", "memory_gib")
-LATENCY_METRICS = CONSTRAINT_METRICS  # the name of earlier versions
 CONSTRAINTS = ("hard", "soft")
 _RUNNING = keras_tuner.engine.trial.TrialStatus.RUNNING
 _STOPPED = keras_tuner.engine.trial.TrialStatus.STOPPED

@@ -283,7 +283,10 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         finally:
             self._trial = None
         report = self._reports.pop(trial.trial_id, None)
-        if report is None:
+        if report is None and self.hypermodel is None:
+            self._warn_once("no-fit", "run_trial trains without a hypermodel, so candidates cannot be timed.")
+            report = {}
+        elif report is None:
             self._warn_once("no-fit", "HyperModel.fit trained without calling model.fit, so candidates could "
                                       "not be timed before training; they are timed after it.")
             self.time_candidate(trial.hyperparameters, *args, **kwargs)
