@@ -142,6 +142,31 @@ def test_reduced_evaluation_gives_the_recorded_freezes(workload, run, bootstrap)
     assert one_behind == recorded[: len(one_behind)]
 
 
+def test_level_criterion_freezes_the_geometrically_falling_front_of_the_recorded_transformer():
+    """charlm's front plasticity falls 20-45% per evaluation all run: the slope test froze module 0 in one
+    seed of three; with `level=0.02` module 0 freezes in every seed, and never before its value has stayed
+    at or under 2% of its peak for `patience` evaluations."""
+    with open(RECORDED) as f:
+        data = json.load(f)
+    bootstrap = data["bootstrap_steps"]["charlm"]
+    for run in data["runs"]["charlm"]:
+        slope_only = replay(EgeriaPolicy(run["num_modules"], bootstrap_steps=bootstrap), run["history"])
+        assert slope_only == [tuple(f) for f in run["freezes"]]
+        policy = EgeriaPolicy(run["num_modules"], bootstrap_steps=bootstrap, level=0.02)
+        with_level = replay(policy, run["history"], lookahead=2)
+        assert with_level and with_level[0][0] == 0
+        if with_level[0] not in slope_only:  # frozen by the level test: its last 2 values are low
+            module0 = [e["plasticity"][0] for e in run["history"] if e["step"] <= with_level[0][1]]
+            assert all(v <= 0.02 * max(module0) for v in module0[-2:])
+        assert len(with_level) >= len(slope_only)
+        state = policy.get_state()
+        again = EgeriaPolicy(run["num_modules"], bootstrap_steps=bootstrap, level=0.02)
+        again.set_state(state)
+        assert again.get_state() == state
+    with pytest.raises(ValueError, match="level"):
+        EgeriaPolicy(4, level=1.5)
+
+
 # ------------------------------------------------------------ the stop rule
 
 

@@ -233,3 +233,29 @@ def hyperband_release_slot(oracle, trial_id: str) -> bool:
             freed |= len(kept) != len(round_info)
             round_info[:] = kept
     return freed
+
+
+class QuietTrialOutcomes:
+    """Tuner mixin: an exception of type `self.outcome_error` ends its trial FAILED, with its message, quietly.
+
+    KerasTuner prints the traceback of every failing trial (its `config.DEBUG`
+    is True by default) in the private `BaseTuner._try_run_and_update_trial`,
+    which runs the trial through the private `_run_and_update_trial`
+    (KerasTuner 1.4.8). A candidate over budget is an expected outcome, not an
+    error: it is caught here, and the trial is ended FAILED with the reason in
+    the public `on_trial_end`, before the (chief) oracle sees it.
+    """
+
+    outcome_error: type = Exception
+
+    def _run_and_update_trial(self, trial, *fit_args, **fit_kwargs):
+        try:
+            return super()._run_and_update_trial(trial, *fit_args, **fit_kwargs)
+        except self.outcome_error as err:
+            self.__dict__.setdefault("_trial_outcomes", {})[trial.trial_id] = str(err)
+
+    def on_trial_end(self, trial):
+        message = self.__dict__.get("_trial_outcomes", {}).pop(trial.trial_id, None)
+        if message is not None:
+            trial.status, trial.message = "FAILED", message
+        super().on_trial_end(trial)

@@ -66,6 +66,11 @@ class EgeriaCallback(FreezingCallback):
         max_frozen_fraction: at most this fraction of modules freezes.
         reopen_lr_factor: re-open frozen modules when the learning rate has
             dropped by this factor since the last freeze (None: never).
+        plasticity_level: an evaluation also counts as converged when the
+            candidate's plasticity is at most this fraction of its highest so
+            far (e.g. 0.02; None: the paper's slope test alone). For models
+            whose front plasticity keeps falling geometrically (Transformer
+            embeddings); see docs/egeria.md.
         reference_refresh: evaluations between reference-model refreshes.
         reference: how to build the reference model: `"auto"` (TFMOT where
             the model can be rebuilt for it, else a clone with int8 weights;
@@ -110,6 +115,7 @@ class EgeriaCallback(FreezingCallback):
         bootstrap_steps: int | None = None,
         max_frozen_fraction: float = 0.8,
         reopen_lr_factor: float | None = None,
+        plasticity_level: float | None = None,
         reference_refresh: int = 1,
         reference: str = "auto",
         asynchronous: bool | str = "auto",
@@ -133,6 +139,7 @@ class EgeriaCallback(FreezingCallback):
             bootstrap_steps=0 if bootstrap_steps is None else bootstrap_steps,
             max_frozen_fraction=max_frozen_fraction,
             reopen_lr_factor=reopen_lr_factor,
+            level=plasticity_level,
         )
         self.window = window
         self.tolerance = tolerance
@@ -140,6 +147,7 @@ class EgeriaCallback(FreezingCallback):
         self.bootstrap_steps = bootstrap_steps
         self.max_frozen_fraction = max_frozen_fraction
         self.reopen_lr_factor = reopen_lr_factor
+        self.plasticity_level = plasticity_level
         self.reference_refresh = reference_refresh
         self.reference_mode = reference
         self.asynchronous = asynchronous
@@ -158,6 +166,7 @@ class EgeriaCallback(FreezingCallback):
             patience=self.patience,
             bootstrap_steps=self._resolve_bootstrap(self.bootstrap_steps),
             max_frozen_fraction=self.max_frozen_fraction,
+            level=self.plasticity_level,
             reopen_lr_factor=self.reopen_lr_factor,
         )
 

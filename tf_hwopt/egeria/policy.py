@@ -5,7 +5,11 @@ stopped changing. `EgeriaPolicy` keeps, for every module, a sliding window of
 its last plasticity values; it fits a least-squares line to the window of the
 frontmost active module and calls the module converged when the slope,
 relative to the window's mean, stays within `tolerance` for `patience`
-consecutive evaluations. It never freezes during the bootstrap period (the
+consecutive evaluations. With `level` set, an evaluation also counts as
+converged when the module's plasticity has fallen to `level` times the
+highest it has shown (a Transformer's embedding keeps falling geometrically
+with no flat stretch for the slope test to find; docs/benchmarks.md). It
+never freezes during the bootstrap period (the
 critical learning period), never on NaN or on a window that is not yet full,
 never the head, never past `max_frozen_fraction` of the modules, and at most
 one module per evaluation. When `reopen_lr_factor` is set, a learning-rate
@@ -64,6 +68,9 @@ class EgeriaPolicy(FreezingPolicy):
         max_frozen_fraction: at most this fraction of all modules is frozen.
         reopen_lr_factor: re-open all frozen modules when the learning rate
             has fallen by this factor since the last freeze (`None`: never).
+        level: an evaluation also counts as converged when the candidate's
+            plasticity is at most `level` times its highest so far (`None`:
+            the slope test alone, as in the paper).
 
     Example:
     >>> policy = EgeriaPolicy(num_modules=4, window=3, patience=2, tolerance=0.05)
@@ -83,8 +90,11 @@ class EgeriaPolicy(FreezingPolicy):
         bootstrap_steps: int = 0,
         max_frozen_fraction: float = 0.8,
         reopen_lr_factor: float | None = None,
+        level: float | None = None,
     ):
         super().__init__(num_modules, max_frozen_fraction=max_frozen_fraction)
+        if level is not None:
+            check_fraction("level", level)
         check_positive_int("window", window)
         if window < 2:
             raise ValueError(f"`window` must be at least 2 to fit a slope. Received: window={window}")
@@ -110,6 +120,8 @@ class EgeriaPolicy(FreezingPolicy):
         self._windows = [collections.deque(maxlen=window) for _ in range(num_modules)]
         self._stable = [0] * num_modules
         self._lr_at_freeze: float | None = None
+        self.level = None if level is None else float(level)
+        self._peak = [0.0] * num_modules
 
     @property
     def settled(self) -> bool:
@@ -160,6 +172,7 @@ class EgeriaPolicy(FreezingPolicy):
         for offset, value in enumerate(active):
             if not math.isnan(value):
                 self._windows[self.num_frozen + offset].append(value)
+                self._peak[self.num_frozen + offset] = max(self._peak[self.num_frozen + offset], value)
         candidate = self.num_frozen
         if candidate >= self.max_frozen or step < self.bootstrap_steps:
             return Decision()
@@ -167,7 +180,8 @@ class EgeriaPolicy(FreezingPolicy):
         if len(values) < self.window:
             return Decision()
         slope = relative_slope(list(values))
-        if abs(slope) <= self.tolerance:
+        low = self.level is not None and values[-1] <= self.level * self._peak[candidate]
+        if abs(slope) <= self.tolerance or low:
             self._stable[candidate] += 1
         else:
             self._stable[candidate] = 0
@@ -179,8 +193,9 @@ class EgeriaPolicy(FreezingPolicy):
         return Decision(
             freeze=(candidate,),
             reason=(
-                f"relative slope {slope:+.4f} within +-{self.tolerance:g} for "
-                f"{self.patience} evaluations"
+                f"relative slope {slope:+.4f} within +-{self.tolerance:g}"
+                + (f" or plasticity at most {self.level:g} of its peak" if self.level is not None else "")
+                + f" for {self.patience} evaluations"
             ),
             window=tuple(values),
             relative_slope=slope,
@@ -218,6 +233,7 @@ class EgeriaPolicy(FreezingPolicy):
             "windows": [list(w) for w in self._windows],
             "stable": list(self._stable),
             "lr_at_freeze": self._lr_at_freeze,
+            "peak": list(self._peak),
         }
 
     def set_state(self, state: dict) -> None:
@@ -226,6 +242,7 @@ class EgeriaPolicy(FreezingPolicy):
         self._windows = [collections.deque(w, maxlen=self.window) for w in state["windows"]]
         self._stable = [int(s) for s in state["stable"]]
         self._lr_at_freeze = state["lr_at_freeze"]
+        self._peak = [float(p) for p in state.get("peak", [0.0] * self.num_modules)]
 
 
 def replay(policy: EgeriaPolicy, history: Sequence[dict], *, lookahead: int | None = None) -> list[tuple[int, int]]:

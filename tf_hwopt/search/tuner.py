@@ -28,7 +28,6 @@ from tf_hwopt._io import write_json_atomic
 from tf_hwopt.hardware.profiles import HardwareProfile, as_profile
 from tf_hwopt.search.inputs import batch_size_of, check_timeable, timing_batch
 from tf_hwopt.search.oracle import (
-    OVER_BUDGET,
     LatencyAwareBayesianOptimizationOracle,
     LatencyAwareHyperbandOracle,
     LatencyAwareOracle,
@@ -86,7 +85,11 @@ class _TimedHyperModel(keras_tuner.HyperModel):
             del model.fit
 
 
-class LatencyAwareTuner(keras_tuner.Tuner):
+class OverBudgetError(keras_tuner.errors.FailedTrialError):
+    """A candidate over a budget: its trial ends FAILED with the reason, and it never trains."""
+
+
+class LatencyAwareTuner(_internals.QuietTrialOutcomes, keras_tuner.Tuner):
     """Times every candidate (XLA-compiled step) before training it.
 
     The trial metrics `latency_ms` (with `latency_estimated` = 1.0 for a
@@ -122,6 +125,8 @@ class LatencyAwareTuner(keras_tuner.Tuner):
     >>> tuner = LatencyAwareTuner(build, oracle=oracle, profile="cpu", directory="runs")
     >>> tuner.search(train_ds, validation_data=val_ds, epochs=3)
     """
+
+    outcome_error = OverBudgetError  # ends its trial FAILED quietly (see _internals.QuietTrialOutcomes)
 
     def __init__(
         self,
@@ -244,15 +249,17 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         else:
             try:
                 batch = timing_batch(fit_args, fit_kwargs)
-            except ValueError as err:
-                raise keras_tuner.errors.FatalValueError(f"{type(self).__name__}: {err}") from err
+            except ValueError as err:  # an input `search` could not see (HyperModel.fit made it): step aside
+                self._warn_once("untimeable", f"{err} Such trials train untimed.")
+                self._reports[trial.trial_id] = {}
+                return
             entry = self._report(trial, **self._size(model, batch))
             if not oracle.violations(entry):  # over memory or parameters: no need to time it
                 timing = self._measure(model, batch)
                 entry = self._report(trial, latency_ms=timing.median_ms, kind=timing.kind)
         reasons = oracle.violations(entry)
         if reasons:
-            raise keras_tuner.errors.FailedTrialError(over_budget_message(reasons))
+            raise OverBudgetError(over_budget_message(reasons))
 
     def time_candidate(self, hp, *fit_args, **fit_kwargs) -> StepTiming:
         """The step time of the candidate `hp` on the batch `fit(*fit_args, **fit_kwargs)` trains on.
@@ -295,14 +302,6 @@ class LatencyAwareTuner(keras_tuner.Tuner):
         metrics = _internals.metrics_dict(histories, self.oracle.objective)
         metrics.update(report)
         return metrics
-
-    def on_trial_end(self, trial):
-        # An over-budget candidate is an expected outcome: its message is the
-        # reason, without the traceback KerasTuner keeps for failing trials.
-        message = trial.message or ""
-        if trial.status == "FAILED" and OVER_BUDGET in message:
-            trial.message = message[message.index(OVER_BUDGET):].splitlines()[0]
-        super().on_trial_end(trial)
 
     def on_search_end(self):
         super().on_search_end()
