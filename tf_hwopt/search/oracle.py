@@ -137,6 +137,7 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
         self.max_proposals = max_proposals
         # candidate key -> {"values", "latency_ms", "kind", "params", "memory_gib"}
         self.latencies: dict[str, dict] = {}
+        self._directions: dict | None = None
         self.skipped_proposals = 0
         self.consecutive_failures = 0
 
@@ -156,6 +157,7 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
         memory_gib: float | None = None,
     ) -> dict:
         """Records what was measured of a candidate (merged with what was known)."""
+        self._directions = None  # measured directions are re-derived at the next use
         entry = self.latencies.setdefault(_key(values), {"values": candidate_values(values)})
         for name, value in (("latency_ms", latency_ms), ("kind", kind), ("params", params), ("memory_gib", memory_gib)):
             if value is not None:
@@ -183,8 +185,10 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
 
     def directions(self) -> dict[str, str]:
         """Latency directions in use: confirmed by measurement, overridden by those declared."""
-        measured = [(e["values"], e["latency_ms"]) for e in self.latencies.values() if "latency_ms" in e]
-        return {**confirmed_directions(measured), **self.declared_directions}
+        if self._directions is None:
+            measured = [(e["values"], e["latency_ms"]) for e in self.latencies.values() if "latency_ms" in e]
+            self._directions = {**confirmed_directions(measured), **self.declared_directions}
+        return self._directions
 
     def predicted_over_budget(self, values: dict) -> bool:
         """Whether these values are known to break a budget, by record or by dominance."""
@@ -284,6 +288,7 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
         super().set_state(state)
         extra = state.get("tf_hwopt", {})
         self.latencies = dict(extra.get("latencies", {}))
+        self._directions = None
         self.skipped_proposals = int(extra.get("skipped_proposals", 0))
         self.consecutive_failures = int(extra.get("consecutive_failures", 0))
 
