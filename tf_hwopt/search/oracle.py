@@ -165,12 +165,14 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
         return entry
 
     def violations(self, entry: dict) -> list[str]:
-        """The budgets a record breaks, as readable reasons (empty under `constraint="soft"`)."""
-        if self.constraint != "hard":
-            return []
+        """The budgets a record breaks, as readable reasons.
+
+        Parameters and memory are hard limits (a model that does not fit does
+        not train); the step time is one only under `constraint="hard"`.
+        """
         reasons = []
         latency = entry.get("latency_ms")
-        if latency is not None and latency > self.latency_budget_ms:
+        if self.constraint == "hard" and latency is not None and latency > self.latency_budget_ms:
             reasons.append(
                 f"latency_ms={latency:.6g} kind={entry.get('kind', 'measured')}: over the "
                 f"{self.latency_budget_ms:g} ms budget"
@@ -192,8 +194,6 @@ class LatencyAwareOracle(_internals.FilteredRandomValues):
 
     def predicted_over_budget(self, values: dict) -> bool:
         """Whether these values are known to break a budget, by record or by dominance."""
-        if self.constraint != "hard":
-            return False
         known = self.known_latency(values)
         if known is not None:
             return bool(self.violations(known))
