@@ -168,13 +168,13 @@ def test_search_benchmark_tiny_run_is_complete(tmp_path):
     from tf_hwopt.bench.search import format_search_markdown, run_search_benchmark
 
     out = tmp_path / "search.json"
-    results = run_search_benchmark(seeds=(0,), max_trials=3, max_epochs=2, epochs=1, samples=1000, batch_size=32,
-                                   timing_steps=3, widths=(16, 128), max_blocks=2, timing="estimated",
-                                   json_path=str(out), verbose=0)
+    results = run_search_benchmark(seeds=(0,), strategies=("random", "hyperband"), max_trials=3, max_epochs=2,
+                                   epochs=1, samples=1000, batch_size=32, timing_steps=3, widths=(16, 128),
+                                   max_blocks=2, timing="estimated", json_path=str(out), verbose=0)
     saved = json.loads(out.read_text())
     assert saved["budget_ms"] == pytest.approx(results["budget_ms"])
     assert saved["grid_over_budget_fraction"] >= 0.5
-    assert set(saved["runs"]) == set(saved["summary"]) == {"random", "bayesian", "hyperband"}
+    assert set(saved["runs"]) == set(saved["summary"]) == {"random", "hyperband"}  # Bayesian: as random
     for strategy, (run,) in saved["runs"].items():
         stock, ours = run["stock"], run["ours"]
         assert stock["wall_time_s"] > 0 and stock["models_timed_after_training"] == stock["trained_trials"] > 0

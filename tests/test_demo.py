@@ -20,7 +20,9 @@ def test_demo_cli_writes_table_json_and_plot(tmp_path, capsys):
     assert results["speedup_wall"] == pytest.approx(
         results["runs"]["no_freezing"]["wall_time_s"] / results["runs"]["egeria"]["wall_time_s"]
     )
-    assert results["egeria"]["reference_path"] == "tfmot"
+    # A run this short may not repay evaluation: Egeria then steps back before building its reference.
+    egeria = results["egeria"]
+    assert egeria["reference_path"] == "tfmot" or "before building the reference" in (egeria["evaluation_stopped"] or "")
     assert out_png.read_bytes()[:4] == b"\x89PNG"
 
 

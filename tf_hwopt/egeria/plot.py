@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 
 
 def plot(callback, path: str, *, title: str | None = None) -> str:
@@ -39,11 +40,14 @@ def draw_plasticity(ax, callback, *, title: str | None = None) -> None:
     """Draws the plasticity curves and freeze markers of `callback` on `ax`."""
     import matplotlib.pyplot as plt
 
-    if not callback.history:
-        raise ValueError(
-            "The callback has no plasticity history yet: plot it after fit has run "
-            "for at least two evaluations."
-        )
+    if not callback.history:  # nothing measured (yet, or Egeria stepped back): say why on the plot
+        why = getattr(callback, "evaluation_stopped", None) or "no plasticity evaluation has run yet"
+        ax.text(0.5, 0.5, "\n".join(textwrap.wrap(f"No plasticity to plot: {why}.", 70)),
+                ha="center", va="center", transform=ax.transAxes, fontsize=8)
+        ax.set_axis_off()
+        if title:
+            ax.set_title(title)
+        return
     n = len(callback.history[0]["plasticity"])
     names = [m.name for m in callback.modules] if callback.modules else [str(i) for i in range(n)]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
