@@ -57,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     freezing.add_argument(
         "--strategies", default="no_freeze,freezeout,gradnorm,egeria,egeria+cache",
-        help="comma-separated (egeria+cache runs on mnist1d and the fine-tuning workloads)",
+        help="comma-separated (egeria+cache runs on mnist1d and the fine-tuning workloads; "
+        "egeria-level, Egeria with plasticity_level=0.02, on request)",
     )
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
