@@ -3,6 +3,7 @@
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
     tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
     tf-hwopt bench search [--seeds 0,1,2] [--strategies random,bayesian,hyperband] [--max-trials N] [--json PATH]
+    tf-hwopt bench timing [--repeats N] [--json PATH]
     tf-hwopt export MODEL.keras OUT_DIR [--int8-tflite] [--representative-data X.npy] [--overwrite]
 """
 
@@ -74,6 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--epochs", type=_positive, default=2)
     search.add_argument("--samples", type=_positive, default=10_000, help="MNIST-1D examples (80%% train)")
     search.add_argument("--json", default="bench_results/search.json")
+    timing = kinds.add_parser(
+        "timing", help="time_step repeatability (yardstick-normalized and raw, side by side) and time_step vs fit"
+    )
+    timing.add_argument("--repeats", type=_positive, default=8)
+    timing.add_argument("--json", default="bench_results/timing.json")
     export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")
     export.add_argument("model", help="a .keras file")
     export.add_argument("out_dir", help="the SavedModel folder to create")
@@ -118,6 +124,10 @@ def main(argv=None) -> int:
 
         run_search_benchmark(seeds=args.seeds, strategies=args.strategies.split(","), max_trials=args.max_trials,
                              max_epochs=args.max_epochs, epochs=args.epochs, samples=args.samples, json_path=args.json)
+    elif args.command == "bench" and args.bench == "timing":
+        from tf_hwopt.bench.search import run_timing_benchmark
+
+        run_timing_benchmark(repeats=args.repeats, json_path=args.json)
     elif args.command == "export":
         return _export(parser, args)
     return 0
