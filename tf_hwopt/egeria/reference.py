@@ -45,7 +45,8 @@ import keras
 import tensorflow as tf
 
 from tf_hwopt import _internals
-from tf_hwopt.freezing.probe import ActivationReader, take
+from tf_hwopt._structures import take
+from tf_hwopt.freezing.probe import ActivationReader
 
 logger = logging.getLogger("tf_hwopt.egeria")
 

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tf_hwopt import _internals
 from tf_hwopt._layer_hooks import hooked_calls
+from tf_hwopt._structures import num_examples, take
 
 
 class ActivationReader:
@@ -135,20 +136,8 @@ def _cast_to(a, dtype):
     return np.asarray(a).astype(want if want != "bfloat16" else "float32")
 
 
-def _num_examples(x) -> int:
-    sizes = {int(np.shape(a)[0]) for a in keras.tree.flatten(x)}
-    if len(sizes) != 1:
-        raise ValueError(f"The inputs' first dimensions differ: {sorted(sizes)}.")
-    return sizes.pop()
-
-
 def _to_numpy(x):
     return keras.tree.map_structure(np.asarray, x)
-
-
-def take(x, index):
-    """`x[index]` for an array or each array of a list/dict of them."""
-    return keras.tree.map_structure(lambda a: a[index], x)
 
 
 class ProbeSizeError(ValueError):
@@ -186,7 +175,7 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
         return _probe_from_dataset(data, size, input_ndim, labelled)
     try:
         data = _to_numpy(data)
-        n = _num_examples(data)
+        n = num_examples(data)
     except (TypeError, ValueError, IndexError) as err:
         raise ValueError(
             "Cannot draw the probe batch from training data of type "
@@ -214,7 +203,7 @@ def _probe_from_dataset(dataset, size, input_ndim, labelled):
         if input_ndim is not None and first.ndim == input_ndim - 1:
             x = take(x, np.newaxis)  # unbatched elements
         chunks.append(x)
-        total += _num_examples(x)
+        total += num_examples(x)
         if total >= size:
             break
     if total < size:

@@ -19,8 +19,9 @@ from __future__ import annotations
 import collections.abc
 
 import keras
-import numpy as np
 import tensorflow as tf
+
+from tf_hwopt._structures import num_examples, take
 
 _DEFAULT_BATCH_SIZE = 32  # `model.fit`'s own default
 
@@ -59,19 +60,6 @@ def check_timeable(args, kwargs, *, component: str = "LatencyAwareTuner.search")
         )
 
 
-def _first_rows(structure, size: int):
-    def take(a):
-        if hasattr(a, "to_numpy"):  # pandas
-            a = a.to_numpy()
-        return a[:size]
-
-    return keras.tree.map_structure(take, structure)
-
-
-def _num_rows(structure) -> int:
-    return int(np.shape(keras.tree.flatten(structure)[0])[0])
-
-
 def timing_batch(args, kwargs) -> tuple:
     """The first batch `model.fit(*args, **kwargs)` would train on, as `(x, y, sample_weight)`.
 
@@ -93,14 +81,14 @@ def timing_batch(args, kwargs) -> tuple:
     y = _fit_arg(args, kwargs, 1, "y")
     sample_weight = kwargs.get("sample_weight")
     size = _fit_arg(args, kwargs, 2, "batch_size") or _DEFAULT_BATCH_SIZE
-    size = min(int(size), _num_rows(x))  # fewer rows than a batch: fit trains on them all
+    rows = slice(0, min(int(size), num_examples(x)))  # fewer rows than a batch: fit trains on them all
     return (
-        _first_rows(x, size),
-        None if y is None else _first_rows(y, size),
-        None if sample_weight is None else _first_rows(sample_weight, size),
+        take(x, rows),
+        None if y is None else take(y, rows),
+        None if sample_weight is None else take(sample_weight, rows),
     )
 
 
 def batch_size_of(batch) -> int:
     """The number of examples in a batch from `timing_batch`."""
-    return _num_rows(batch[0])
+    return num_examples(batch[0])
