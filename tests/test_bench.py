@@ -186,3 +186,17 @@ def test_search_benchmark_tiny_run_is_complete(tmp_path):
     assert len(saved["timing"]["grid"]) == 4 and saved["timing"]["spearman_estimated_vs_measured"] == 1.0
     assert "| hyperband |" in format_search_markdown(saved)
 
+
+
+def test_timing_benchmark_writes_repeated_medians_and_the_fit_ratio(tmp_path, capsys):
+    from tf_hwopt.bench.search import run_timing_benchmark
+
+    path = tmp_path / "timing.json"
+    run_timing_benchmark(repeats=3, steps=4, samples=600, batch_size=32, json_path=str(path))
+    report = json.loads(path.read_text())
+    medians = report["repeat_medians_ms"]
+    assert len(medians) == 3 and all(m > 0 for m in medians)
+    assert report["repeat_spread_ms"] == [min(medians), max(medians)]
+    assert report["repeatability_cv"] >= 0 and report["fit_step_ms"] > 0
+    assert math.isclose(report["time_step_over_fit_step"], float(np.median(medians)) / report["fit_step_ms"])
+    assert "time_step repeatability: CV" in capsys.readouterr().out

@@ -56,43 +56,6 @@ def test_median_of_block_medians():
         median_of_block_medians([1.0, 2.0], 3)
 
 
-class _FakeYardstick:
-    """A host that ran 100x faster at calibration than now: every block is scaled by 1/100."""
-
-    baseline_ms = 1.0
-
-    def __init__(self):
-        self.calls = 0
-
-    def time_ms(self):
-        self.calls += 1
-        return 100.0
-
-
-def test_normalized_timing_scales_each_block_by_the_yardstick(batch, monkeypatch):
-    import tf_hwopt.search.timing as timing_module
-
-    x, _ = batch
-    model = _model()
-    raw = time_step(model, x, mode="serve", steps=8, blocks=4, normalize=False)
-    assert raw.normalized is False
-    fake = _FakeYardstick()
-    monkeypatch.setattr(timing_module, "_yardstick", lambda: fake)
-    scaled = time_step(model, x, mode="serve", steps=8, blocks=4)  # the default on a CPU host
-    assert scaled.normalized is True and fake.calls == 4  # once before each block
-    # Scaled by 1/100: far below the raw time, whatever this host's noise.
-    assert scaled.median_ms < raw.median_ms / 10 and scaled.p10_ms <= scaled.median_ms <= scaled.p90_ms
-    with pytest.raises(ValueError, match="normalize"):
-        time_step(model, x, mode="serve", steps=8, normalize="yes")
-
-
-def test_the_real_yardstick_is_calibrated_once_per_process():
-    from tf_hwopt.search.timing import _yardstick
-
-    first = _yardstick()
-    assert first is _yardstick() and first.baseline_ms > 0 and first.time_ms() > 0
-
-
 def test_serve_mode_and_bad_arguments(batch):
     x, y = batch
     model = _model()

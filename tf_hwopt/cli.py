@@ -75,9 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--epochs", type=_positive, default=2)
     search.add_argument("--samples", type=_positive, default=10_000, help="MNIST-1D examples (80%% train)")
     search.add_argument("--json", default="bench_results/search.json")
-    timing = kinds.add_parser(
-        "timing", help="time_step repeatability (yardstick-normalized and raw, side by side) and time_step vs fit"
-    )
+    timing = kinds.add_parser("timing", help="time_step repeatability on one model, and time_step vs a fit step")
     timing.add_argument("--repeats", type=_positive, default=8)
     timing.add_argument("--json", default="bench_results/timing.json")
     export = sub.add_parser("export", help="write a .keras model as a verified TensorFlow SavedModel")

@@ -241,47 +241,34 @@ def _fit_step_ms(build, width, blocks, x, y, batch_size) -> float:
 
 def timing_repeatability(build, width: int, blocks: int, data, batch_size: int, *, repeats: int = 8,
                          steps: int = 40) -> dict:
-    """Times one candidate `repeats` times, yardstick-normalized and raw alternately; and a `model.fit` step.
-
-    Alternating the two puts them through the same drift of the host, so
-    their coefficients of variation compare side by side.
+    """Times one candidate `repeats` times with `time_step`, and a step of `model.fit`.
 
     Returns:
-        `{"repeat_medians_ms", "repeatability_cv", "repeat_spread_ms"}` for
-        the normalized timing (what the tuners use on a CPU host), the same
-        keys with `_raw` for the raw one, `"fit_step_ms"` and
-        `"time_step_over_fit_step"` (raw median over the fit step).
+        `{"repeat_medians_ms", "repeatability_cv", "repeat_spread_ms",
+        "fit_step_ms", "time_step_over_fit_step"}` (the last: the median of
+        the repeated medians over the fit step).
     """
     x, y = data
     batch = (x[:batch_size], y[:batch_size])
     model = _candidate(build, width, blocks)
-    medians = {True: [], False: []}
-    for _ in range(repeats):
-        for normalize in (True, False):
-            medians[normalize].append(time_step(model, batch, steps=steps, normalize=normalize).median_ms)
+    medians = [time_step(model, batch, steps=steps).median_ms for _ in range(repeats)]
     fit_ms = _fit_step_ms(build, width, blocks, np.tile(batch[0], (40, 1, 1)), np.tile(batch[1], 40), batch_size)
-    report = {"candidate": {"width": width, "blocks": blocks, "batch_size": batch_size}}
-    for normalize, suffix in ((True, ""), (False, "_raw")):
-        values = medians[normalize]
-        report.update({
-            f"repeat_medians_ms{suffix}": values,
-            f"repeatability_cv{suffix}": coefficient_of_variation(values),
-            f"repeat_spread_ms{suffix}": [float(np.min(values)), float(np.max(values))],
-        })
-    report["fit_step_ms"] = fit_ms
-    report["time_step_over_fit_step"] = float(np.median(medians[False])) / fit_ms
-    return report
+    return {
+        "candidate": {"width": width, "blocks": blocks, "batch_size": batch_size},
+        "repeat_medians_ms": medians,
+        "repeatability_cv": coefficient_of_variation(medians),
+        "repeat_spread_ms": [float(np.min(medians)), float(np.max(medians))],
+        "fit_step_ms": fit_ms,
+        "time_step_over_fit_step": float(np.median(medians)) / fit_ms,
+    }
 
 
 def format_timing_markdown(t: dict) -> str:
-    """One line per timing statistic: repeatability (normalized and raw) and the match with `model.fit`."""
-    lines = []
-    for suffix, what in (("", "normalized by the yardstick (the tuners' timing on a CPU host)"), ("_raw", "raw")):
-        lo, hi = t[f"repeat_spread_ms{suffix}"]
-        lines.append(f"time_step repeatability, {what}: CV {100 * t[f'repeatability_cv{suffix}']:.1f}% over "
-                     f"{len(t[f'repeat_medians_ms{suffix}'])} repeated medians ({lo:.2f}-{hi:.2f} ms).")
-    lines.append(f"time_step (raw) / model.fit step = {t['time_step_over_fit_step']:.2f}.")
-    return "\n".join(lines)
+    """One line: `time_step`'s repeatability and its match with a `model.fit` step."""
+    lo, hi = t["repeat_spread_ms"]
+    return (f"time_step repeatability: CV {100 * t['repeatability_cv']:.1f}% over {len(t['repeat_medians_ms'])} "
+            f"repeated medians ({lo:.2f}-{hi:.2f} ms); time_step / model.fit step = "
+            f"{t['time_step_over_fit_step']:.2f}.")
 
 
 def run_timing_benchmark(*, repeats: int = 8, steps: int = 40, samples: int = 10_000, batch_size: int = 128,
@@ -290,7 +277,7 @@ def run_timing_benchmark(*, repeats: int = 8, steps: int = 40, samples: int = 10
 
     Example:
     >>> report = run_timing_benchmark(repeats=8, json_path="bench_results/timing.json")
-    >>> report["repeatability_cv"], report["repeatability_cv_raw"]
+    >>> report["repeatability_cv"], report["time_step_over_fit_step"]
     """
     check_positive_int("repeats", repeats)
     check_positive_int("samples", samples)
@@ -472,7 +459,7 @@ def format_search_markdown(results: dict) -> str:
     t = results["timing"]
     over_trained = sum(s["ours_trained_over_budget"] for s in results["summary"].values())
     lines += ["", f"Over-budget candidates trained by our tuners (judged by the grid): {over_trained}."]
-    if "repeatability_cv_raw" in t:
+    if "repeatability_cv" in t:
         lines.append(format_timing_markdown(t))
     lines.append(f"Spearman(estimated, measured) = {t['spearman_estimated_vs_measured']:.3f} over "
                  f"{t['candidates']} candidates.")

@@ -47,8 +47,6 @@ class StepTiming:
         device: where it was measured, or the target profile's name.
         blocks: blocks the timed steps were split into (the median is the
             median of the block medians).
-        normalized: whether step times were scaled by the interleaved
-            yardstick (host speed at calibration; see `time_step`).
     """
 
     median_ms: float
@@ -64,7 +62,6 @@ class StepTiming:
     bytes_moved: float | None = None
     device: str = ""
     blocks: int = 1
-    normalized: bool = False
 
     def label(self) -> str:
         return f"{self.median_ms:.3f} ms ({self.kind}, {self.mode}, {self.device})"
@@ -126,7 +123,6 @@ def time_step(
     profile: HardwareProfile | str | None = None,
     jit_compile: bool = True,
     steps_per_execution: int | None = None,
-    normalize: bool | None = None,
 ) -> StepTiming:
     """Measures one XLA-compiled step of `model` on `batch` on this device.
 
@@ -136,14 +132,6 @@ def time_step(
     the reported step time is the median of the blocks' median step times,
     which a burst of noise on a shared host moves less than the mean or a
     single median.
-
-    On a CPU host (`normalize=None` there, or `normalize=True`) each block is
-    preceded by a few calls of a fixed XLA workload, the yardstick, and the
-    block's step times are scaled by the yardstick's time at calibration (its
-    first use in this process) over its time next to the block. The host's
-    speed drifts between calls seconds apart on a shared machine; the ratio
-    to an interleaved yardstick does not, so candidates timed minutes apart
-    are compared as if timed at the same host speed.
 
     Args:
         model: a Keras model; compiled (loss and optimizer) for `mode="train"`.
@@ -159,9 +147,6 @@ def time_step(
         jit_compile: compile with XLA (default, as on TPU).
         steps_per_execution: training steps per call (default: the model's
             own, as compiled); the reported time is per step.
-        normalize: scale by an interleaved yardstick (see above); default:
-            on a CPU host only (an accelerator's speed does not drift with
-            the host's load, and the yardstick runs on the host).
 
     Returns:
         A `StepTiming` with `kind="measured"`.
@@ -182,8 +167,6 @@ def time_step(
         raise ValueError(
             f"`steps_per_execution` must be None or an integer >= 1. Received: {steps_per_execution!r}"
         )
-    if normalize not in (None, True, False):
-        raise ValueError(f"`normalize` must be None, True or False. Received: normalize={normalize!r}")
     x, y, sample_weight = _unpack(batch)
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
     if profile is not None:
@@ -225,7 +208,6 @@ def time_step(
         for t in keras.tree.flatten(result):
             np.asarray(t)
 
-    yardstick = _yardstick() if (_device_name() == "/CPU:0" if normalize is None else normalize) else None
     try:
         start = time.perf_counter()
         sync(call())
@@ -233,12 +215,10 @@ def time_step(
         for _ in range(warmup):
             sync(call())
         times = []
-        for size in (len(b) for b in np.array_split(np.arange(steps), blocks)):
-            scale = yardstick.baseline_ms / yardstick.time_ms() if yardstick else 1.0
-            for _ in range(size):
-                start = time.perf_counter()
-                sync(call())
-                times.append(scale * 1e3 * (time.perf_counter() - start) / per_call)
+        for _ in range(steps):
+            start = time.perf_counter()
+            sync(call())
+            times.append(1e3 * (time.perf_counter() - start) / per_call)
     finally:
         if variables is not None:
             for v, value in zip(variables, saved):
@@ -258,48 +238,7 @@ def time_step(
         peak_memory_bytes=_peak_memory(),
         device=_device_name(),
         blocks=blocks,
-        normalized=yardstick is not None,
     )
-
-
-class _Yardstick:
-    """A fixed XLA workload on the host CPU: chained 192x192 matmuls, a few ms a call."""
-
-    _SIZE, _DEPTH, _CALLS = 192, 16, 3
-
-    def __init__(self):
-        with tf.device("/CPU:0"):
-            self._x = tf.random.stateless_normal((self._SIZE, self._SIZE), seed=(1, 2))
-            self._w = tf.random.stateless_normal((self._SIZE, self._SIZE), seed=(3, 4)) / self._SIZE**0.5
-        self._fn = tf.function(self._run, jit_compile=True)
-        for _ in range(3):  # compile and warm up
-            self.time_ms()
-        self.baseline_ms = float(np.median([self.time_ms() for _ in range(8)]))
-
-    def _run(self, x, w):
-        for _ in range(self._DEPTH):
-            x = tf.tanh(tf.matmul(x, w))
-        return tf.reduce_sum(x)
-
-    def time_ms(self) -> float:
-        """The median time of a few yardstick calls, now."""
-        times = []
-        with tf.device("/CPU:0"):
-            for _ in range(self._CALLS):
-                start = time.perf_counter()
-                np.asarray(self._fn(self._x, self._w))
-                times.append(1e3 * (time.perf_counter() - start))
-        return float(np.median(times))
-
-
-_YARDSTICK: list = []
-
-
-def _yardstick() -> _Yardstick:
-    """The process's yardstick, calibrated at its first use."""
-    if not _YARDSTICK:
-        _YARDSTICK.append(_Yardstick())
-    return _YARDSTICK[0]
 
 
 def median_of_block_medians(times, blocks: int) -> float:
