@@ -187,7 +187,6 @@ def test_search_benchmark_tiny_run_is_complete(tmp_path):
     assert "| hyperband |" in format_search_markdown(saved)
 
 
-
 def test_timing_benchmark_writes_repeated_medians_and_the_fit_ratio(tmp_path, capsys):
     from tf_hwopt.bench.search import run_timing_benchmark
 
