@@ -106,6 +106,9 @@ class FreezeWatcher(keras.callbacks.Callback):
             m.index: [v.numpy().copy() for layer in m.layers for v in layer.weights] for m in self.freezer.modules
         }
 
+    def on_epoch_end(self, epoch, logs=None):
+        self.on_train_batch_end(None)  # freezes applied at the epoch end (freeze_at="epoch_end")
+
     def on_train_batch_end(self, batch, logs=None):
         if self.at_begin is None and self.freezer.modules is not None:
             self._snapshot_begin()  # an unbuilt model: partitioned at its first step

@@ -77,6 +77,36 @@ def test_frozen_weights_stay_bit_identical(mnist1d_small, jit_compile, steps_per
     assert model.jit_compile == jit_compile  # XLA really was on (or off)
 
 
+def test_a_freeze_decided_mid_epoch_takes_effect_at_the_epoch_end(mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    runs = {}
+    for freeze_at in ("epoch_end", "step"):
+        model = compile_model(small_resnet())
+        egeria = eager_freezing(freeze_at=freeze_at)
+        watcher = FreezeWatcher(egeria)
+        model.fit(x[:512], y[:512], batch_size=32, epochs=3, callbacks=[egeria, watcher], verbose=0)  # 16 steps/epoch
+        assert_frozen_bit_identical_and_rest_trained(egeria, watcher)
+        runs[freeze_at] = egeria.events
+    deferred, at_once = runs["epoch_end"], runs["step"]
+    assert deferred and all(e["kind"] == "freeze" for e in deferred)
+    assert any(e.get("decided_step", e["step"]) < e["step"] for e in deferred)  # one really waited
+    for event in deferred:
+        if event["epoch"] < 2:  # another epoch follows: applied at this epoch's end
+            assert event["step"] % 16 == 0 and event["step"] - 16 < event["decided_step"] <= event["step"]
+        else:  # the last epoch: at once
+            assert "decided_step" not in event
+    # The same decisions; only when they take effect differs.
+    assert [(e["module"], e.get("decided_step", e["step"])) for e in deferred] == [
+        (e["module"], e["step"]) for e in at_once
+    ]
+    assert all("decided_step" not in e for e in at_once)
+
+
+def test_freeze_at_is_checked():
+    with pytest.raises(ValueError, match="freeze_at"):
+        tf_hwopt.EgeriaCallback(freeze_at="batch")
+
+
 class _ForceFreeze(keras.callbacks.Callback):
     """At `step`, freezes module 0 (or only rebuilds), then records Adam's slots."""
 

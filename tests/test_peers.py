@@ -98,7 +98,7 @@ def test_gradient_norm_callback_freezes_on_real_gradients(mnist1d_small):
     model = compile_model(small_resnet())
     cb = tf_hwopt.GradientNormFreezeCallback(
         probe_size=64, eval_every=4, tolerance=10.0, patience=1, bootstrap_steps=8, max_frozen_fraction=0.5, verbose=0,
-        overhead_budget=None,
+        overhead_budget=None, freeze_at="step",
     )
     watcher = FreezeWatcher(cb)
     model.fit(x[:320], y[:320], batch_size=32, epochs=3, callbacks=[cb, watcher], verbose=0)

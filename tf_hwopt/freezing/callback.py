@@ -100,6 +100,7 @@ def timed(method):
 
 
 _STATE_VERSION = 1
+_FREEZE_AT = ("epoch_end", "step")
 _KEPT_SNAPSHOTS = 3
 
 
@@ -151,6 +152,13 @@ class FreezingCallback(keras.callbacks.Callback):
             BatchNormalization layers' moving statistics to those of their
             input on the probe batch, so that the frozen module computes what
             training computed (see `_freeze`).
+        freeze_at: when a freeze decided during an epoch takes effect:
+            `"epoch_end"` (default; in a fit's last epoch, or when the epoch
+            length is unknown, at once) or `"step"` (at once). A freeze
+            rebuilds the train function, whose re-tracing holds up the
+            epoch's tf.data iterator for seconds; with TensorFlow 2.21 that
+            makes the iterator's release at the next epoch start wait 6-10 s
+            more about half the time (docs/egeria.md). At the epoch end it does not.
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, the policy's state is saved there at each epoch
             end and restored when `fit` resumes (pass the `backup_dir` of
@@ -177,6 +185,7 @@ class FreezingCallback(keras.callbacks.Callback):
         eval_every: int | None = None,
         overhead_budget: float | None = 0.02,
         refresh_batch_norm: bool = True,
+        freeze_at: str = "epoch_end",
         log_dir: str | None = None,
         backup_dir: str | None = None,
         seed: int = 0,
@@ -202,12 +211,15 @@ class FreezingCallback(keras.callbacks.Callback):
             )
         if not isinstance(refresh_batch_norm, bool):
             raise ValueError(f"`refresh_batch_norm` must be True or False. Received: {refresh_batch_norm!r}")
+        if freeze_at not in _FREEZE_AT:
+            raise ValueError(f"`freeze_at` must be one of {_FREEZE_AT}. Received: freeze_at={freeze_at!r}")
         self.probe_data = probe_data
         self.probe_size = probe_size
         self.module_names = modules
         self.eval_every = eval_every
         self.overhead_budget = overhead_budget
         self.refresh_batch_norm = refresh_batch_norm
+        self.freeze_at = freeze_at
         self.log_dir = log_dir
         self.backup_dir = backup_dir
         self.seed = seed
@@ -257,6 +269,8 @@ class FreezingCallback(keras.callbacks.Callback):
         self._batch_norm_readers: dict = {}
         # Modules frozen when the last fit ended, frozen again by the next fit.
         self._frozen_between_fits: list[int] = []
+        # Freezes decided during this epoch, applied at its end (`freeze_at`).
+        self._pending_freezes: list[tuple] = []
 
     # ----------------------------------------------------------- subclass API
 
@@ -492,7 +506,22 @@ class FreezingCallback(keras.callbacks.Callback):
             changed = self.engine.unfreeze(decision.unfreeze)
             self._record("unfreeze", changed, decision.reason, details)
         if decision.freeze:
-            self._freeze(decision.freeze, decision.reason, **details)
+            if self._defer_freeze():
+                self._pending_freezes.append((tuple(decision.freeze), decision.reason, self._step, details))
+            else:
+                self._freeze(decision.freeze, decision.reason, **details)
+
+    def _defer_freeze(self) -> bool:
+        """Whether a freeze decided now waits for the epoch end (`freeze_at`): only if another epoch follows."""
+        epochs = self.params.get("epochs") if self.params else None
+        return self.freeze_at == "epoch_end" and bool(self.steps_per_epoch) and bool(epochs) and (
+            self._epoch + 1 < epochs
+        )
+
+    def _apply_pending_freezes(self) -> None:
+        pending, self._pending_freezes = self._pending_freezes, []
+        for indices, reason, decided, details in pending:
+            self._freeze(indices, reason, decided_step=decided, **details)
 
     # ---------------------------------------------------------------- freezing
 
@@ -648,7 +677,10 @@ class FreezingCallback(keras.callbacks.Callback):
         self._epoch = epoch
         self._last_batch = -1
         if self._fit_clock is not None:
-            self._fit_clock["last"] = None  # the gap across an epoch end holds validation, not a rebuild
+            # The gap across an epoch end holds validation, not a rebuild; a
+            # rebuild at the epoch end is timed from here to the first step.
+            rebuilt = self.engine is not None and self.engine.rebuilds > self._rebuilds_seen
+            self._fit_clock["last"] = time.perf_counter() if rebuilt else None
         if not self._resume_checked and self.active:
             self._resume_checked = True
             if epoch > 0 and self.backup_dir:
@@ -693,6 +725,13 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self.engine is None:
             return
+        if self._pending_freezes and self.active:
+            epochs = self.params.get("epochs") if self.params else None
+            if epochs is None or epoch + 1 < epochs:
+                try:
+                    self._apply_pending_freezes()
+                except Exception as err:  # noqa: BLE001 - a failure of ours never ends fit
+                    self._disable(f"{type(err).__name__} at the end of epoch {epoch}: {_first_line(err)}")
         if logs is not None:
             logs["frozen_modules"] = _ModuleCount(self.engine.num_frozen)
         if self._writer is not None:
@@ -708,7 +747,10 @@ class FreezingCallback(keras.callbacks.Callback):
         if self.engine is None:
             return
         self._final = self._frozen_state()
-        self._frozen_between_fits = [i for i, f in enumerate(self.engine.frozen) if f]
+        # Freezes decided in the last epoch take effect in the next fit, if any.
+        pending = [i for indices, *_ in self._pending_freezes for i in indices] if self.active else []
+        self._pending_freezes = []
+        self._frozen_between_fits = sorted({i for i, f in enumerate(self.engine.frozen) if f} | set(pending))
         self.engine.restore()
         if self._writer is not None:
             self._writer.flush()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from tf_hwopt import _internals
 from tf_hwopt.freezing.modules import Module
 
 # Marks a layer frozen by tf_hwopt, so that a later engine (after an
@@ -104,7 +105,12 @@ class FreezingEngine:
         self.freeze([i for i in range(k) if not self.frozen[i]])
 
     def rebuild(self) -> None:
-        """Re-creates the train function so that `trainable` changes take effect."""
+        """Re-creates the train function so that `trainable` changes take effect.
+
+        The replaced function is kept as long as the model
+        (`_internals.retire_train_function`: releasing it stalled training).
+        """
+        _internals.retire_train_function(self.model)
         self.model.make_train_function(force=True)
         self.rebuilds += 1
 

@@ -80,6 +80,8 @@ class FreezeOutCallback(FreezingCallback):
             frozen by the end of training.
         eval_every: steps between schedule checks (default: every step; a
             check costs nothing).
+        freeze_at: as in `FreezingCallback`; `"step"` by default, so that
+            the schedule is followed to the step.
         probe_size, modules, refresh_batch_norm, log_dir, backup_dir,
             seed, verbose: as in `FreezingCallback`.
 
@@ -96,9 +98,10 @@ class FreezeOutCallback(FreezingCallback):
         *,
         freeze_start: float = 0.5,
         freeze_level: float = 1.0,
+        freeze_at: str = "step",
         **kwargs,
     ):
-        super().__init__(probe_data, **kwargs)
+        super().__init__(probe_data, freeze_at=freeze_at, **kwargs)
         check_fraction("freeze_start", freeze_start, allow_zero=True)
         check_fraction("freeze_level", freeze_level)
         self.freeze_start = float(freeze_start)

@@ -179,6 +179,18 @@ def fit_multi_worker(
         user_callbacks.on_train_begin()
     started = time.perf_counter()
     agreed = np.zeros(len(modules), bool)  # the last broadcast frozen set
+
+    def sync(agreed):
+        """Every worker takes the chief's frozen set; returns it."""
+        mine = np.asarray(engine.frozen, np.float32) if chief else np.zeros(len(modules), np.float32)
+        decided = np.asarray(broadcast(tf.constant(mine))) / local_replicas > 0.5
+        _apply(engine, decided)
+        # Same list on every worker (from the broadcast decision), so the
+        # collectives below match.
+        for i in np.flatnonzero(decided & ~agreed):
+            _share_chief_state(modules[i], broadcast, chief, local_replicas)
+        return decided
+
     try:
         for epoch in range(epochs):
             if freezer is not None and chief:
@@ -195,14 +207,7 @@ def fit_multi_worker(
                 if user_callbacks is not None:
                     user_callbacks.on_train_batch_end(batch, {"loss": value})
                 if freezer is not None:
-                    mine = np.asarray(engine.frozen, np.float32) if chief else np.zeros(len(modules), np.float32)
-                    decided = np.asarray(broadcast(tf.constant(mine))) / local_replicas > 0.5
-                    _apply(engine, decided)
-                    # Same list on every worker (from the broadcast decision), so the
-                    # collectives below match.
-                    for i in np.flatnonzero(decided & ~agreed):
-                        _share_chief_state(modules[i], broadcast, chief, local_replicas)
-                    agreed = decided
+                    agreed = sync(agreed)
                 history["frozen_at_step"].append([i for i, f in enumerate(engine.frozen) if f])
             history["loss"].append(total / steps_per_epoch)
             logs = {"loss": history["loss"][-1]}
@@ -213,6 +218,8 @@ def fit_multi_worker(
                 epoch_loss.setdefault(key, []).append(value)
             if freezer is not None and chief:
                 freezer.on_epoch_end(epoch, dict(logs))
+            if freezer is not None:
+                agreed = sync(agreed)  # freezes the chief applied at the epoch end (`freeze_at`)
             if user_callbacks is not None:
                 user_callbacks.on_epoch_end(epoch, dict(logs))
             if verbose:
