@@ -230,7 +230,7 @@ def test_egeria_measures_only_the_front_and_builds_its_reference_on_demand(mnist
     model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(
         probe_size=64, eval_every=4, window=2, patience=1, tolerance=1e6, bootstrap_steps=0,
-        max_frozen_fraction=0.8, overhead_budget=None, asynchronous=False, verbose=0,
+        max_frozen_fraction=0.8, overhead_budget=None, asynchronous=False, verbose=0, freeze_at="step",
     )
     model.fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria], verbose=0)
     num_modules = len(egeria.modules)

@@ -332,7 +332,7 @@ def test_progress_bar_and_messages_agree(capsys, mnist1d_small):
     from conftest import compile_model, small_resnet
 
     x, y, _, _ = mnist1d_small
-    egeria = loose(eval_every=4, verbose=1, max_frozen_fraction=0.5)
+    egeria = loose(eval_every=4, verbose=1, max_frozen_fraction=0.5, freeze_at="step")
     history = compile_model(small_resnet()).fit(x[:512], y[:512], batch_size=32, epochs=2, callbacks=[egeria],
                                                 verbose=2)
     out = capsys.readouterr().out

@@ -157,6 +157,10 @@ class EgeriaCallback(FreezingCallback):
         self._readers: dict = {}
         self._refreshed_sets: set = set()
         self._restored_refreshes = 0
+        # One-off work put off until the epoch end (`freeze_at="epoch_end"`):
+        # building the reference, or a refresh that must extend its prefix.
+        self._build_pending = False
+        self._refresh_pending = False
 
     # ------------------------------------------------------------------ setup
 
@@ -249,10 +253,16 @@ class EgeriaCallback(FreezingCallback):
         """The measured modules' plasticity (NaN elsewhere); None while the reference lacks the candidate."""
         if self.reference is None:
             # The first evaluation: the step time is known now. Build the
-            # reference only if evaluating can pay (its first refresh follows).
+            # reference only if evaluating can pay (its first refresh follows),
+            # at the epoch end if `freeze_at` says so (a build takes seconds).
+            if self._build_pending:
+                return None
             self._one_off_work = True
             if self._can_pay():
-                self._build_reference()
+                if self._defers_to_epoch_end():
+                    self._build_pending = True
+                else:
+                    self._build_reference()
             return None
         modules = self.reference.refreshed_modules if self.reference.ready() else ()
         if self.policy.num_frozen not in modules:
@@ -271,9 +281,24 @@ class EgeriaCallback(FreezingCallback):
         if modules and (
             (self.evaluations - 1) % self.reference_refresh == 0 or modules != self.reference.refreshed_modules
         ):
+            if max(modules) >= self.reference.covered_modules and self._defers_to_epoch_end():
+                self._refresh_pending = True  # quantizing a longer prefix takes seconds: at the epoch end
+                return
             if modules not in self._refreshed_sets:
                 self._one_off_work = True  # the reference may grow, and traces its first refresh
                 self._refreshed_sets.add(modules)
+            self.reference.submit_refresh(self.model, modules)
+
+    def _epoch_end_work(self) -> None:
+        build, refresh = self._build_pending, self._refresh_pending
+        self._build_pending = self._refresh_pending = False
+        if self.policy.settled or self.evaluation_stopped or self.disabled_reason:
+            return
+        if build and not self._build_reference():
+            return
+        modules = self._measured_modules()
+        if (build or refresh) and modules:
+            self._refreshed_sets.add(modules)
             self.reference.submit_refresh(self.model, modules)
 
     def _extra_state(self) -> dict:

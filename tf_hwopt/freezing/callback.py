@@ -296,6 +296,9 @@ class FreezingCallback(keras.callbacks.Callback):
     def _teardown(self) -> None:
         """Called at train end (release threads, files...)."""
 
+    def _epoch_end_work(self) -> None:
+        """Called at an epoch end that another epoch follows: one-off work put off until then."""
+
     def _extra_state(self) -> dict:
         """What a subclass saves with the policy's state in `backup_dir`."""
         return {}
@@ -506,13 +509,18 @@ class FreezingCallback(keras.callbacks.Callback):
             changed = self.engine.unfreeze(decision.unfreeze)
             self._record("unfreeze", changed, decision.reason, details)
         if decision.freeze:
-            if self._defer_freeze():
+            if self._defers_to_epoch_end():
                 self._pending_freezes.append((tuple(decision.freeze), decision.reason, self._step, details))
             else:
                 self._freeze(decision.freeze, decision.reason, **details)
 
-    def _defer_freeze(self) -> bool:
-        """Whether a freeze decided now waits for the epoch end (`freeze_at`): only if another epoch follows."""
+    def _defers_to_epoch_end(self) -> bool:
+        """Whether one-off work (a freeze, a subclass's build) decided now waits for the epoch end.
+
+        Per `freeze_at`, and only if another epoch follows. Work that holds up
+        training for seconds mid-epoch makes the release of the epoch's
+        tf.data iterator stall at the next epoch start (see `freeze_at`).
+        """
         epochs = self.params.get("epochs") if self.params else None
         return self.freeze_at == "epoch_end" and bool(self.steps_per_epoch) and bool(epochs) and (
             self._epoch + 1 < epochs
@@ -633,6 +641,7 @@ class FreezingCallback(keras.callbacks.Callback):
                 sample = None  # FLOPs then stay unknown; the setup below reports the missing probe
             self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
         self.engine = FreezingEngine(self.model, self.modules)
+        self._rebuilds_seen = 0
         self._batch_norm_readers = {}
         if self.log_dir and self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
@@ -725,11 +734,12 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self.engine is None:
             return
-        if self._pending_freezes and self.active:
+        if self.active:
             epochs = self.params.get("epochs") if self.params else None
             if epochs is None or epoch + 1 < epochs:
                 try:
                     self._apply_pending_freezes()
+                    self._epoch_end_work()
                 except Exception as err:  # noqa: BLE001 - a failure of ours never ends fit
                     self._disable(f"{type(err).__name__} at the end of epoch {epoch}: {_first_line(err)}")
         if logs is not None:

@@ -388,6 +388,12 @@ class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+def _rebuild(model) -> None:
+    """Rebuilds `model`'s train function, keeping the replaced one (see `FreezingEngine.rebuild`)."""
+    _internals.retire_train_function(model)
+    model.make_train_function(force=True)
+
+
 class _OnWholeModel(keras.callbacks.Callback):
     """Runs a freezing callback for the whole model while `fit` trains the suffix."""
 
@@ -407,7 +413,7 @@ class _OnWholeModel(keras.callbacks.Callback):
         self.inner.on_train_begin(logs)
         # A freeze mid-phase flips `trainable` on layers the suffix shares:
         # its train function must be rebuilt too.
-        self.inner.engine.listeners.append(lambda kind, indices: self.model.make_train_function(force=True))
+        self.inner.engine.listeners.append(lambda kind, indices: _rebuild(self.model))
 
     def on_train_end(self, logs=None):
         self.inner.on_train_end(logs)
