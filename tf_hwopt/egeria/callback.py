@@ -89,6 +89,11 @@ class EgeriaCallback(FreezingCallback):
             probe batch's statistics just before it freezes, so that the
             frozen module computes what training computed (see
             `FreezingCallback._freeze`).
+        freeze_at: `"epoch_end"` (default): a freeze, the reference's build
+            and a refresh that quantizes a longer prefix, decided during an
+            epoch, happen at its end (at once in the last epoch); `"step"`:
+            at once. Work that holds training up for seconds mid-epoch made
+            the next epoch start stall (docs/egeria.md).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your

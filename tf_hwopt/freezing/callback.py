@@ -152,13 +152,14 @@ class FreezingCallback(keras.callbacks.Callback):
             BatchNormalization layers' moving statistics to those of their
             input on the probe batch, so that the frozen module computes what
             training computed (see `_freeze`).
-        freeze_at: when a freeze decided during an epoch takes effect:
+        freeze_at: when a freeze decided during an epoch takes effect (and
+            a subclass's other one-off work, see `_epoch_end_work`):
             `"epoch_end"` (default; in a fit's last epoch, or when the epoch
             length is unknown, at once) or `"step"` (at once). A freeze
             rebuilds the train function, whose re-tracing holds up the
-            epoch's tf.data iterator for seconds; with TensorFlow 2.21 that
-            makes the iterator's release at the next epoch start wait 6-10 s
-            more about half the time (docs/egeria.md). At the epoch end it does not.
+            epoch's tf.data iterator for seconds; with TensorFlow 2.21 such a
+            pause made the iterator's release at the next epoch start wait
+            6.5-10 s more, about half the time (docs/egeria.md).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, the policy's state is saved there at each epoch
             end and restored when `fit` resumes (pass the `backup_dir` of
