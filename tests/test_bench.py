@@ -8,7 +8,9 @@ import pytest
 
 from tf_hwopt.bench.freezing import (
     add_speedups,
+    idle_stalls,
     reaches,
+    report_freezing_benchmark,
     run_freezing_benchmark,
     summarise_strategy,
     target_metric,
@@ -34,10 +36,51 @@ def test_time_to_target_is_the_first_epoch_end_reaching_it():
     assert not reaches("loss", math.nan, 2.0)
 
 
-def _run(seed, wall, curve):
-    return {"seed": seed, "epoch_wall_s": wall, "epoch_metric": curve, "final_metric": curve[-1],
-            "wall_time_s": wall[-1], "cpu_time_s": 2 * wall[-1], "frozen_modules": 2,
-            "overhead_fraction": 0.05, "backward_flops_skipped_fraction": 0.3}
+def _run(seed, wall, curve, cpu=None):
+    cpu = [2 * w for w in wall] if cpu is None else cpu
+    return {"seed": seed, "epoch_wall_s": wall, "epoch_cpu_s": cpu, "epoch_metric": curve, "final_metric": curve[-1],
+            "wall_time_s": wall[-1], "cpu_time_s": cpu[-1], "frozen_modules": 2,
+            "overhead_fraction": 0.05, "backward_flops_skipped_fraction": 0.3, "freeze_events": []}
+
+
+def test_idle_stalls_are_epochs_waiting_beyond_the_runs_usual_core_use():
+    # Epochs of 10 s at 1.6 cores; the third waited 10 s more with no CPU in use.
+    assert idle_stalls([12, 22, 42, 52], [18, 34, 50, 66]) == (1, pytest.approx(10.0))
+    # A slower host (fewer cores for the whole run) is no stall; nor is a 1 s bump.
+    assert idle_stalls([20, 40, 60, 80], [16, 32, 48, 64]) == (0, 0.0)
+    assert idle_stalls([12, 22, 33, 43], [18, 34, 50, 66]) == (0, 0.0)
+    assert idle_stalls([5.0], [8.0]) == (0, 0.0)  # one epoch: nothing to compare with
+
+
+def test_wall_without_stalls_is_summarised_and_compared():
+    base = summarise_strategy("accuracy", [_run(0, [12, 22, 42, 52], [0.9, 0.95, 0.96, 0.97], [18, 34, 50, 66])], 0.9)
+    mine = summarise_strategy("accuracy", [_run(0, [12, 20, 28, 36], [0.9, 0.95, 0.96, 0.97], [18, 30, 42, 54])], 0.9)
+    assert base["stalled_epochs"] == 1 and base["wall_without_stalls_s"] == pytest.approx(42.0)
+    assert mine["stalled_epochs"] == 0 and mine["wall_without_stalls_s"] == pytest.approx(36.0)
+    strategies = {"no_freeze": base, "egeria": mine}
+    add_speedups(strategies)
+    assert strategies["egeria"]["speedup_wall"] == pytest.approx(52 / 36)
+    assert strategies["egeria"]["speedup_wall_without_stalls"] == pytest.approx(42 / 36)
+
+
+def test_report_only_summarises_recorded_runs_again_without_training(tmp_path):
+    runs = {"no_freeze": [_run(0, [12, 22, 42, 52], [0.9, 0.95, 0.96, 0.97], [18, 34, 50, 66])],
+            "egeria": [_run(0, [12, 20, 28, 36], [0.9, 0.94, 0.96, 0.965], [18, 30, 42, 54])]}
+    recorded = {"profile": "full", "seeds": 1, "workloads": {"mnist1d": {
+        "metric": "accuracy", "unit": "accuracy", "description": "d", "epochs": 4, "batch_size": 8,
+        "target": 0.5, "strategies": {s: {"seeds": r} for s, r in runs.items()}}}}
+    path = tmp_path / "freezing.json"
+    path.write_text(json.dumps(recorded))
+    assert main(["bench", "freezing", "--report-only", "--json", str(path)]) == 0
+    w = json.loads(path.read_text())["workloads"]["mnist1d"]
+    assert w["target"] == pytest.approx(0.965)  # from no freezing's runs, not the stale value
+    egeria = w["strategies"]["egeria"]
+    assert egeria["seeds"][0]["epoch_wall_s"] == [12, 20, 28, 36]  # the records are kept
+    assert egeria["time_to_target_s"] == pytest.approx(36.0) and egeria["speedup_cpu"] == pytest.approx(66 / 54)
+    table = (tmp_path / "freezing.md").read_text()
+    assert "| egeria |" in table and "| 1; 10.0 s |" in table
+    with pytest.raises(SystemExit):
+        main(["bench", "freezing", "--report-only", "--json", str(tmp_path / "missing.json")])
 
 
 def test_summary_over_seeds_credits_a_time_only_when_every_seed_reaches_the_target():

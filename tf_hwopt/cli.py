@@ -1,7 +1,7 @@
 """The `tf-hwopt` command line.
 
     tf-hwopt demo [--epochs N] [--samples N] [--json PATH] [--plot PATH]
-    tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR]
+    tf-hwopt bench freezing [--profile quick|full] [--seeds N] [--json PATH] [--out-dir DIR] [--report-only]
     tf-hwopt bench search [--seeds 0,1,2] [--strategies random,bayesian,hyperband] [--max-trials N] [--json PATH]
     tf-hwopt bench timing [--repeats N] [--json PATH]
     tf-hwopt export MODEL.keras OUT_DIR [--int8-tflite] [--representative-data X.npy] [--overwrite]
@@ -64,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--no-throughput", action="store_true", help="skip the ResNet-20 step-time table")
     freezing.add_argument("--json", default="bench_results/freezing.json")
     freezing.add_argument("--out-dir", default=None, help="markdown and plots (default: the JSON's folder)")
+    freezing.add_argument(
+        "--report-only", action="store_true",
+        help="train nothing: summarise the runs recorded in --json again and rewrite it, the table and the plots",
+    )
     search = kinds.add_parser(
         "search",
         help="latency-aware RandomSearch/BayesianOptimization/Hyperband vs KerasTuner's + post-hoc latency filter",
@@ -104,6 +108,14 @@ def main(argv=None) -> int:
             plot_path=args.plot or None,
             json_path=args.json,
         )
+    elif args.command == "bench" and args.bench == "freezing" and args.report_only:
+        import os
+
+        from tf_hwopt.bench.freezing import report_freezing_benchmark
+
+        if not os.path.isfile(args.json):
+            parser.error(f"--report-only needs an existing --json file; got {args.json!r}")
+        report_freezing_benchmark(args.json, out_dir=args.out_dir)
     elif args.command == "bench" and args.bench == "freezing":
         from tf_hwopt.bench.freezing import run_freezing_benchmark
         from tf_hwopt.bench.workloads import DEFAULT_WORKLOADS
