@@ -112,16 +112,16 @@ def idle_stalls(epoch_wall: Sequence[float], epoch_cpu: Sequence[float], min_sec
     A run's epochs after the first use a steady number of cores (CPU seconds
     per wall second) when nothing holds them up; the run's norm is the 90th
     percentile over those epochs (not the median: in one charlm-long run, 8
-    of 11 epochs waited). An epoch whose wall
-    time exceeds its CPU time at that norm by more than `min_seconds` stood
-    idle for the excess. On Keras 3.15 / TensorFlow 2.21 this is how the
-    release of the previous epoch's autotuned tf.data iterator shows up
-    (docs/benchmarks.md): seconds of waiting with no CPU in use, at random
-    epoch starts, in runs with and without freezing alike. In a freezing
-    run it also counts the callback's own single-threaded seconds (a
-    re-trace, the reference build), so the wall time less this idle time
-    flatters a freezing strategy: it bounds its gain from above, as the raw
-    wall time does from below.
+    of 11 epochs waited). An epoch whose wall time exceeds its CPU time at
+    that norm by more than `min_seconds` stood idle for the excess. On
+    Keras 3.15 / TensorFlow 2.21 this is how the release of the previous
+    epoch's autotuned tf.data iterator shows up (docs/benchmarks.md):
+    seconds of waiting with no CPU in use, at random epoch starts, in runs
+    with and without freezing alike. In a freezing run it also counts the
+    callback's own single-threaded seconds (a re-trace, the reference
+    build), so the wall time less this idle time flatters a freezing
+    strategy: it bounds its gain from above, as the raw wall time does from
+    below.
 
     Returns:
         `(epochs, seconds)`.
