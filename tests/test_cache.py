@@ -1,6 +1,7 @@
 """Forward skipping: cached prefix activations, the suffix trained on them, and when caching is refused."""
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -177,3 +178,28 @@ def test_the_pipeline_gives_each_example_its_own_activation_in_epoch_order(in_me
     ids = np.concatenate([y for _, y in batches])
     np.testing.assert_array_equal(ids[:n], epoch_order(n, 2, 7))
     np.testing.assert_array_equal(ids[n:], epoch_order(n, 3, 7))
+
+
+def test_epoch_dataset_feeds_plain_fit_the_cached_drivers_order_without_running_out():
+    from tf_hwopt.training.cache import epoch_dataset
+
+    n, batch, epochs = 40, 16, 3
+    x = np.arange(n, dtype=np.float32)[:, None]
+    y = np.arange(n, dtype=np.int32)
+    data = epoch_dataset(x, y, epochs=epochs, batch_size=batch, seed=5)
+    ids = np.concatenate([b for _, b in data.as_numpy_iterator()])
+    np.testing.assert_array_equal(ids, np.concatenate([epoch_order(n, e, 5) for e in range(epochs)]))
+
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(epoch)
+
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(data, epochs=epochs, steps_per_epoch=-(-n // batch), shuffle=False, verbose=0, callbacks=[Record()])
+    assert seen == [0, 1, 2]
+    assert not [w for w in caught if "ran out of data" in str(w.message)]

@@ -1,6 +1,6 @@
 """The training harness every compared run goes through (benchmarks and the demo).
 
-Same seed (initial weights, data order), same Adam + cosine schedule, same
+Same seed (initial weights, data order: `epoch_dataset`), same Adam + cosine schedule, same
 epochs; the runs differ only by their callbacks. `EpochClock` records wall
 and process CPU time per epoch.
 """
@@ -11,6 +11,8 @@ import time
 
 import keras
 import numpy as np
+
+from tf_hwopt.training.cache import epoch_dataset
 
 
 class EpochClock(keras.callbacks.Callback):
@@ -78,8 +80,11 @@ def train_timed(
 
     Every run of a comparison goes through here, so that runs differ only by
     their callbacks: `keras.utils.set_random_seed(seed)` before building
-    (same initial weights, same shuffling order), Adam with a cosine decay
-    over the whole run, validation at each epoch end.
+    (same initial weights), Adam with a cosine decay over the whole run,
+    validation at each epoch end, and the batches of `epoch_dataset` (the
+    order `fit_with_cache` trains in, one iterator for the whole run: Keras's
+    own array pipeline stands idle for seconds at random epoch starts, with
+    or without a callback, which would drown the differences measured).
 
     Returns:
         `(model, clock)`, with the `EpochClock` of the run.
@@ -87,12 +92,15 @@ def train_timed(
     (x, y), validation = data
     model = compiled_model(build_model, len(y), epochs=epochs, batch_size=batch_size, loss=loss, metrics=metrics,
                            learning_rate=learning_rate, seed=seed)
+    for callback in callbacks:
+        if hasattr(callback, "provide_data"):
+            callback.provide_data(x, y)  # the probe batch `fit_with_cache` would draw
     clock = EpochClock()
     model.fit(
-        x,
-        y,
-        batch_size=batch_size,
+        epoch_dataset(x, y, epochs=epochs, batch_size=batch_size, seed=seed),
         epochs=epochs,
+        steps_per_epoch=int(np.ceil(len(y) / batch_size)),
+        shuffle=False,
         validation_data=validation,
         callbacks=list(callbacks) + [clock],
         verbose=verbose,

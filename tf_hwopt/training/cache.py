@@ -367,6 +367,24 @@ def cached_dataset(num_examples, epochs, seed, batch_size, gather, labels):
     return dataset.with_options(options)
 
 
+def epoch_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, seed: int | None) -> tf.data.Dataset:
+    """All `epochs` of `(x, y)` as one finite dataset, each epoch in `epoch_order`.
+
+    The pipeline `fit_with_cache` trains its uncached phase on, for a plain
+    `model.fit` that should see the same batches: pass it with
+    `steps_per_epoch=ceil(len(y) / batch_size)` and `shuffle=False`. Keras
+    then keeps one iterator for the whole run; given arrays (or a finite
+    dataset without `steps_per_epoch`) it makes a new autotuned iterator each
+    epoch, and on Keras 3.15 / TensorFlow 2.21 releasing the old one
+    sometimes stands idle for seconds (docs/benchmarks.md).
+
+    Example:
+    >>> data = epoch_dataset(x, y, epochs=3, batch_size=32, seed=0)
+    >>> model.fit(data, epochs=3, steps_per_epoch=-(-len(y) // 32), shuffle=False)
+    """
+    return cached_dataset(len(y), range(epochs), seed, batch_size, _array_gather(np.asarray(x)), np.asarray(y))
+
+
 class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
     """Stops this phase's fit at the end of an epoch in which the frozen prefix changed.
 
