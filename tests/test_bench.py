@@ -69,7 +69,7 @@ def test_report_only_summarises_recorded_runs_again_without_training(tmp_path):
     recorded = {"profile": "full", "seeds": 1, "workloads": {"mnist1d": {
         "metric": "accuracy", "unit": "accuracy", "description": "d", "epochs": 4, "batch_size": 8,
         "target": 0.5, "strategies": {s: {"seeds": r} for s, r in runs.items()}}}}
-    path = tmp_path / "freezing.json"
+    path = tmp_path / "freezing_long.json"
     path.write_text(json.dumps(recorded))
     assert main(["bench", "freezing", "--report-only", "--json", str(path)]) == 0
     w = json.loads(path.read_text())["workloads"]["mnist1d"]
@@ -77,7 +77,7 @@ def test_report_only_summarises_recorded_runs_again_without_training(tmp_path):
     egeria = w["strategies"]["egeria"]
     assert egeria["seeds"][0]["epoch_wall_s"] == [12, 20, 28, 36]  # the records are kept
     assert egeria["time_to_target_s"] == pytest.approx(36.0) and egeria["speedup_cpu"] == pytest.approx(66 / 54)
-    table = (tmp_path / "freezing.md").read_text()
+    table = (tmp_path / "freezing_long.md").read_text()  # named after the JSON
     assert "| egeria |" in table and "| 1; 10.0 s |" in table
     with pytest.raises(SystemExit):
         main(["bench", "freezing", "--report-only", "--json", str(tmp_path / "missing.json")])

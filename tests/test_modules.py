@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from tf_hwopt.freezing import describe_modules, partition_modules
-from tf_hwopt.models import resnet1d
+from tf_hwopt.models import char_transformer, resnet1d
 from conftest import SmallSubclassed
 
 
@@ -55,6 +55,30 @@ def test_transformer_blocks_are_modules():
         ["ln1", "attn1", "res1", "pool"],
         ["out"],
     ]
+
+
+def test_embeddings_join_the_first_block_they_feed():
+    # An embedding lookup has next to no FLOPs: frozen alone it saves nothing.
+    mods = partition_modules(char_transformer(seq_len=16, num_blocks=2, d_model=16))
+    assert mods[0].layer_names[:2] == ["embed", "position"]
+    assert mods[0].output_layer.name.startswith("block1_")
+    assert [m.layer_names[0] for m in mods[1:]] == ["block2_ln1", "head"]
+    shares = np.array([m.flops for m in mods]) / sum(m.flops for m in mods)
+    assert shares[:-1].min() > 0.001
+    # An explicit partition is taken as given.
+    names = [m.layer_names for m in mods]
+    explicit = partition_modules(char_transformer(seq_len=16, num_blocks=2, d_model=16),
+                                 [names[0][:1], names[0][1:]] + names[1:])
+    assert explicit[0].layer_names == ["embed"]
+
+
+def test_negligible_modules_never_leave_fewer_than_two():
+    from tf_hwopt.freezing.modules import _join_negligible
+
+    a, b, c = (keras.layers.Dense(1, name=n) for n in "abc")
+    flops = {"a": 0.0, "b": 100.0, "c": 0.0}
+    assert _join_negligible([[a], [b], [c]], flops) == [[a, b], [c]]  # the head stays, however small
+    assert _join_negligible([[a], [c]], {"a": 0.0, "c": 5.0}) == [[a], [c]]
 
 
 def test_explicit_modules_override():

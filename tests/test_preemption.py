@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -80,3 +81,15 @@ def test_a_corrupted_pointer_is_a_clear_error_and_nothing_is_deleted(tmp_path, m
         model.fit(x, y, epochs=2, batch_size=64, verbose=0,
                   callbacks=[tf_hwopt.AtomicBackupAndRestore(str(backup_dir), delete_checkpoint=False)])
     assert sorted(os.listdir(backup_dir)) == before
+
+
+def test_atomic_json_writes_keep_the_permissions_a_plain_open_gives(tmp_path):
+    from tf_hwopt._io import write_json_atomic
+
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")
+    atomic = tmp_path / "atomic.json"
+    write_json_atomic({"a": 1}, str(atomic))
+    assert json.loads(atomic.read_text()) == {"a": 1}
+    assert stat.S_IMODE(os.stat(atomic).st_mode) == stat.S_IMODE(os.stat(plain).st_mode)  # not mkstemp's 0600
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []

@@ -13,7 +13,8 @@ def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -
 
     The temporary file lives in the same directory (so the rename is atomic)
     and is flushed to disk before the rename; on any error it is removed and
-    the previous `path`, if any, is left as it was.
+    the previous `path`, if any, is left as it was. The file gets the
+    permissions `open` would give it.
     """
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -23,6 +24,10 @@ def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -
             json.dump(obj, f, indent=indent, default=default)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates the file 0600; give it the mode a plain `open` would (0666 less the umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -380,7 +380,9 @@ def _write_outputs(results: dict, json_path: str | None, out_dir: str | None, sa
         say(f"JSON written to {json_path}")
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "freezing.md"), "w") as f:
+        # Named after the JSON (freezing_long.json -> freezing_long.md), so two runs can share a folder.
+        stem = os.path.splitext(os.path.basename(json_path))[0] if json_path else "freezing"
+        with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
             f.write(table + "\n")
         for name in results["workloads"]:
             path = os.path.join(out_dir, f"freezing_{name}.png")

@@ -22,7 +22,11 @@ For Functional and Sequential models the partition is automatic:
    stretches join the module in front of them (at the very front: the
    module behind), so every module has something to freeze;
 4. an attention stretch and the residual feed-forward stretch after it (a
-   Transformer block written inline with stock layers) form one module.
+   Transformer block written inline with stock layers) form one module;
+5. a module with under 0.1% of the model's forward FLOPs (a token or
+   position embedding: a table lookup) joins the module behind it. Frozen
+   alone it would save nothing, and freezing a Transformer's embeddings
+   early cost accuracy (docs/benchmarks.md, charlm-long).
 
 Subclassed models have no inspectable graph: give the groups yourself as
 lists of layer names (`modules=[["stem_conv", "stem_bn"], ["block1"], ...]`).
@@ -50,6 +54,10 @@ _ATTENTION = (
     keras.layers.Attention,
     keras.layers.AdditiveAttention,
 )
+
+
+# Below this share of the forward FLOPs, a module is not worth freezing on its own (rule 5 above).
+_NEGLIGIBLE_FLOPS_SHARE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +319,26 @@ def _explicit_groups(model, modules: Sequence[Sequence[str]]) -> list[list]:
     return groups
 
 
+def _join_negligible(groups: list[list], flops: dict) -> list[list]:
+    """Groups with under `_NEGLIGIBLE_FLOPS_SHARE` of the FLOPs joined to the group behind them.
+
+    The last group (the head) never moves; the groups are kept as they are
+    when joining would leave fewer than 2.
+    """
+    sizes = [sum(flops[layer.name] for layer in group) for group in groups]
+    total = sum(sizes)
+    if not total:
+        return groups
+    joined, pending = [], []
+    for i, (group, size) in enumerate(zip(groups, sizes)):
+        if size < _NEGLIGIBLE_FLOPS_SHARE * total and i < len(groups) - 1:
+            pending.extend(group)
+            continue
+        joined.append(pending + group)
+        pending = []
+    return joined if len(joined) >= 2 else groups
+
+
 def partition_modules(
     model: keras.Model,
     modules: Sequence[Sequence[str]] | None = None,
@@ -326,7 +354,8 @@ def partition_modules(
             ordered front to back. Required for subclassed models.
         sample_input: one batch of inputs, used to count FLOPs of subclassed
             models.
-        count_flops: whether to count forward FLOPs per module.
+        count_flops: whether to count forward FLOPs per module (without
+            them, modules with negligible FLOPs are not joined).
 
     Returns:
         The list of `Module`s, front to back. The last one is the head.
@@ -371,6 +400,8 @@ def partition_modules(
             flops = forward_flops_by_layer(model, names, sample_input=sample_input)
         except Exception:  # noqa: BLE001 - FLOPs are informative only
             flops = None
+    if modules is None and flops is not None:
+        groups = _join_negligible(groups, flops)
     result = []
     for i, group in enumerate(groups):
         name = group[0].name if len(group) == 1 else f"{group[0].name}..{group[-1].name}"
