@@ -8,6 +8,16 @@ import tempfile
 from typing import Callable
 
 
+def _read_umask() -> int:
+    # The umask can only be read by setting it: done once, at import, not while other threads create files.
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+_UMASK = _read_umask()
+
+
 def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -> None:
     """Writes `obj` as JSON to `path` through a temporary file and `os.replace`.
 
@@ -25,9 +35,7 @@ def write_json_atomic(obj, path: str, *, indent: int | None = 2, default=None) -
             f.flush()
             os.fsync(f.fileno())
         # mkstemp creates the file 0600; give it the mode a plain `open` would (0666 less the umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
