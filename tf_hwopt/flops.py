@@ -79,7 +79,7 @@ def forward_flops_by_layer(
         with tf.name_scope("forward"):
             return model(xs[0] if len(xs) == 1 else list(xs), training=False)
 
-    fn = tf.function(forward)
+    fn = tf.function(forward, autograph=False)
     with hooked_calls(layers, scoped):
         graph = fn.get_concrete_function(*specs).graph
     counts = {name: 0.0 for name in names}

@@ -254,7 +254,7 @@ class _TfmotReference:
         self._output_names = [layer.name for layer in output_layers]
         self.float_layers: list[str] = []
         self.covered = -1
-        with tf.device("/CPU:0"):
+        with tf.device("/CPU:0"), _internals.autograph_disabled():
             tk = _rebuild_tf_keras(model, self._tf_keras)
             self._float_full = tk
             index = {id(v): i for i, v in enumerate(model.weights)}
@@ -280,7 +280,7 @@ class _TfmotReference:
         last = len(self._output_names) - 1
         upto = min(last, max(upto, 2 * self.covered + 1))
         tf_keras, tfmot = self._tf_keras, self._tfmot
-        with tf.device("/CPU:0"):
+        with tf.device("/CPU:0"), _internals.autograph_disabled():
             full = self._float_full
             registry = _internals.tfmot_default_registry()
             kernel_config = _kernel_quantize_config_class(tfmot)
@@ -338,8 +338,9 @@ class _TfmotReference:
                     targets.extend(model_vars)
                     self._sources.extend((i, quantize) for i in idx)
             self._assign = _compiled_assign(targets)
-            self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True))
-            self._calibrate_and_read = tf.function(self._calibrate_and_read_fn)
+            # Stock layers and TFMOT wrappers need no AutoGraph; converting them cost most of a build.
+            self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True), autograph=False)
+            self._calibrate_and_read = tf.function(self._calibrate_and_read_fn, autograph=False)
         self.covered = upto
 
     def weight_indices(self) -> list[int]:
@@ -423,7 +424,7 @@ def _own_variables(layer) -> list:
 def _compiled_assign(variables: list):
     """A compiled function assigning a list of values to `variables` in one call."""
 
-    @tf.function
+    @tf.function(autograph=False)
     def assign(values):
         for variable, value in zip(variables, values):
             variable.assign(value)

@@ -51,6 +51,9 @@ class ActivationReader:
         self._layers = list(layers)
         prefix = _prefix_model(model, self._layers, capture)
         self.prefix_only = prefix is not None
+        # Traced without AutoGraph, as Keras traces its own train step
+        # (`do_not_convert`): whatever `fit` runs traces here too, and
+        # converting every layer's `call` cost seconds per reader.
         if prefix is not None:
 
             def forward(x):
@@ -59,7 +62,7 @@ class ActivationReader:
                 outs = outs if isinstance(outs, (list, tuple)) else [outs]
                 return [tf.cast(o, tf.float32) for o in outs]
 
-            self._forward = tf.function(forward, reduce_retracing=True)
+            self._forward = tf.function(forward, reduce_retracing=True, autograph=False)
             return
         captured: dict[int, object] = {}
 
@@ -78,7 +81,7 @@ class ActivationReader:
                 raise ValueError(f"Layers {missing} were not called by the model's forward pass.")
             return [tf.cast(captured[i], tf.float32) for i in range(len(self._layers))]
 
-        self._forward = tf.function(hooked_forward, reduce_retracing=True)
+        self._forward = tf.function(hooked_forward, reduce_retracing=True, autograph=False)
 
     def __call__(self, x) -> list[np.ndarray]:
         return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]

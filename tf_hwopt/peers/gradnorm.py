@@ -153,7 +153,7 @@ class GradientNormFreezeCallback(FreezingCallback):
         groups = [[v for layer in m.layers for v in layer.trainable_weights] for m in self.modules]
         x, y = self.probe
 
-        @tf.function
+        @tf.function(autograph=False)
         def grad_norms():
             variables = [v for g in groups for v in g]
             with tf.GradientTape() as tape:

@@ -199,7 +199,7 @@ def time_step(
 
     else:
         variables, per_call = None, 1
-        forward = tf.function(lambda inputs: model(inputs, training=False), jit_compile=jit_compile)
+        forward = tf.function(lambda inputs: model(inputs, training=False), jit_compile=jit_compile, autograph=False)
 
         def call():
             return forward(x)
@@ -310,14 +310,14 @@ def estimate_step(
                 loss = model.compute_loss(x=inputs, y=labels, y_pred=y_pred, training=True)
             return tape.gradient(loss, trainable)
 
-        graph = tf.function(fn).get_concrete_function(specs, y_spec).graph
+        graph = tf.function(fn, autograph=False).get_concrete_function(specs, y_spec).graph
     else:
 
         def fn(inputs):
             with tf.name_scope("step"):
                 return model(inputs, training=False)
 
-        graph = tf.function(fn).get_concrete_function(specs).graph
+        graph = tf.function(fn, autograph=False).get_concrete_function(specs).graph
     flops = float(sum(graph_float_ops(graph).values()))
     batch_size = int(keras.tree.flatten(x)[0].shape[0])
     weight_bytes = _weight_bytes(model)

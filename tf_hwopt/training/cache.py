@@ -238,11 +238,11 @@ class ActivationCache:
 
         if begin:  # extend: each batch's rows are read, then overwritten in place
             old = self._shape(begin)
-            step = tf.function(lambda ids: write(ids, _unpack(tf.gather(table, ids), old)), reduce_retracing=True)
+            step = tf.function(lambda ids: write(ids, _unpack(tf.gather(table, ids), old)), reduce_retracing=True, autograph=False)
             for ids in self._batches():
                 step(tf.constant(ids))
         else:
-            step = tf.function(write, reduce_retracing=True)
+            step = tf.function(write, reduce_retracing=True, autograph=False)
             for ids in self._batches():
                 step(tf.constant(ids), self._raw_inputs(self.x, ids))
 
@@ -259,7 +259,7 @@ class ActivationCache:
         path = os.path.join(self._tmpdir, f"level{level}_{time.monotonic_ns()}.npy")
         values = np.lib.format.open_memmap(path, mode="w+", dtype=self._storage_dtype(),
                                            shape=(self.num_examples,) + self._shape(level))
-        forward = tf.function(lambda inputs: sub(inputs, training=False), reduce_retracing=True)
+        forward = tf.function(lambda inputs: sub(inputs, training=False), reduce_retracing=True, autograph=False)
         for ids in self._batches():
             batch = self._file[ids[0] : ids[-1] + 1].astype(np.float32) if begin else self._raw_inputs(self.x, ids)
             values[ids[0] : ids[-1] + 1] = np.asarray(forward(batch)).astype(values.dtype)
