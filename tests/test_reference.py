@@ -41,6 +41,28 @@ def test_tfmot_path_is_close_to_float_model(build, rng):
         assert sp_loss(t, r) < 1e-3
 
 
+def test_refresh_follows_weights_that_grow_and_growth_stops_at_max_cover(rng):
+    keras.utils.set_random_seed(3)
+    model = resnet1d(widths=(8, 8, 8, 8), strides=(1, 2, 1, 2), stem_width=8)
+    x = rng.rand(32, 40, 1).astype(np.float32)
+    layers = [m.output_layer for m in partition_modules(model)]
+    assert len(layers) >= 5
+    ref = Reference(model, layers, x, asynchronous=False, cover=1, max_cover=3)
+    assert ref.covered_modules == 2
+    ref.submit_refresh(model, (0, 1))
+    ref.activations()
+    # Kernels 10x smaller: int8 steps of weight ranges not set from them would round them away.
+    for v in model.weights:
+        if len(v.shape) >= 2:
+            v.assign(v.numpy() * 0.1)
+    ref.submit_refresh(model, (1, 2))
+    # Doubling would quantize modules 0..3 at least; max_cover stops it at 3.
+    assert ref.covered_modules == 4
+    training = ActivationReader(model, [layers[1], layers[2]])(x)
+    for t, r in zip(training, ref.activations()):
+        assert np.linalg.norm(t - r) / np.linalg.norm(t) < 0.05, np.linalg.norm(t - r) / np.linalg.norm(t)
+
+
 def test_background_refresh_matches_synchronous(rng):
     keras.utils.set_random_seed(2)
     model = resnet1d(widths=(8,), strides=(1,), stem_width=8)

@@ -193,16 +193,16 @@ def tfmot_default_registry():
     return registry_lib.Default8BitQuantizeRegistry()
 
 
-def tf_keras_weight_quantizer_vars(layer) -> set:
-    """ids of a TFMOT wrapper's weight-quantizer range variables (TFMOT 0.8.1: `_weight_vars`).
+def tfmot_weight_quantizers(layer) -> list:
+    """A TFMOT wrapper's `(weight, quantizer, range variables)` triples (TFMOT 0.8.1: `_weight_vars`).
 
-    Calibration sets activation ranges itself and must leave the weight
-    ranges, which TFMOT computes, alone; only this private list tells them apart.
+    Calibration sets the weight ranges by calling each quantizer on its
+    weight in training mode, as the wrapper's own `call` does, without
+    running the layers; and it sets activation ranges itself, so it must
+    tell the two kinds of range variables apart. Only this private list
+    says which quantizer belongs to which weight.
     """
-    ids = set()
-    for _, _, qvars in getattr(layer, "_weight_vars", []):
-        ids.update(id(v) for v in qvars.values())
-    return ids
+    return list(getattr(layer, "_weight_vars", []))
 
 
 # --------------------------------------------------------------- KerasTuner

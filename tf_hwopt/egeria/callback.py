@@ -194,7 +194,10 @@ class EgeriaCallback(FreezingCallback):
                 self.probe,
                 asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
                 mode=self.reference_mode,
-                cover=max(self._measured_modules(), default=0),
+                # Twice the measured prefix at once: each growth of the
+                # quantized prefix costs a rebuild and a trace (docs/egeria.md).
+                cover=min(2 * max(self._measured_modules(), default=0) + 1, self.policy.max_frozen - 1),
+                max_cover=self.policy.max_frozen - 1,  # no module past the cap is ever measured
             )
         except ReferenceUnavailable as err:
             self._disable(f"no reference model: {err}")

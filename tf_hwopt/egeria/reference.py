@@ -273,12 +273,13 @@ class _TfmotReference:
             f"; float layers (int8 weights only): {self.float_layers}" if self.float_layers else ""
         )
 
-    def extend(self, upto: int) -> None:
-        """Quantizes the prefix of modules `0..upto` (at least), unless already covered."""
+    def extend(self, upto: int, limit: int | None = None) -> None:
+        """Quantizes the prefix of modules `0..upto` (at least; doubling up to `limit`), unless already covered."""
         if upto <= self.covered:
             return
         last = len(self._output_names) - 1
-        upto = min(last, max(upto, 2 * self.covered + 1))
+        grown = 2 * self.covered + 1 if limit is None else min(2 * self.covered + 1, limit)
+        upto = min(last, max(upto, grown))
         tf_keras, tfmot = self._tf_keras, self._tfmot
         with tf.device("/CPU:0"), _internals.autograph_disabled():
             full = self._float_full
@@ -338,8 +339,18 @@ class _TfmotReference:
                     targets.extend(model_vars)
                     self._sources.extend((i, quantize) for i in idx)
             self._assign = _compiled_assign(targets)
+            weight_quantizers = [
+                q for layer in self._quantized.layers for q in _internals.tfmot_weight_quantizers(layer)
+            ]
+
+            def set_weight_ranges():
+                # What a wrapper does to its weights in training mode: TFMOT's
+                # quantizer sets the range from the weight. No layer runs.
+                for weight, quantizer, range_vars in weight_quantizers:
+                    quantizer(weight, True, weights=range_vars)
+
             # Stock layers and TFMOT wrappers need no AutoGraph; converting them cost most of a build.
-            self._weight_ranges = tf.function(lambda x: self._quantized(x, training=True), autograph=False)
+            self._weight_ranges = tf.function(set_weight_ranges, autograph=False)
             self._calibrate_and_read = tf.function(self._calibrate_and_read_fn, autograph=False)
         self.covered = upto
 
@@ -365,7 +376,9 @@ class _TfmotReference:
         float_tensors = []
         input_names = {t.name.split(":")[0] for t in self._float.inputs}
         for layer in self._quantized.layers:
-            weight_quantizer_vars = _internals.tf_keras_weight_quantizer_vars(layer)
+            weight_quantizer_vars = {
+                id(v) for _, _, qvars in _internals.tfmot_weight_quantizers(layer) for v in qvars.values()
+            }
             ranges = {}
             for v in layer.non_trainable_weights:
                 short = v.name.split("/")[-1].split(":")[0]
@@ -400,11 +413,7 @@ class _TfmotReference:
         values = [quantize_int8_per_channel(weights[i]) if q else weights[i] for i, q in self._sources]
         with tf.device("/CPU:0"):
             self._assign(values)
-            # Weight ranges: TFMOT's LastValueQuantizer sets them in training
-            # mode. That call may move normalization statistics, so the
-            # weights are assigned again afterwards.
-            self._weight_ranges(_head(probe_x, 2))
-            self._assign(values)
+            self._weight_ranges()
             # Activation ranges: the float activations' observed ranges.
             acts = self._calibrate_and_read(probe_x)
         return [np.asarray(acts[m], np.float32) for m in modules]
@@ -455,7 +464,7 @@ class _CloneReference:
         self.covered = len(output_layers) - 1
         self.reason = f"fell back to a Keras 3 clone with per-channel int8 weights: {reason}"
 
-    def extend(self, upto: int) -> None:
+    def extend(self, upto: int, limit: int | None = None) -> None:
         """The clone covers every module."""
 
     def weight_indices(self) -> list[int]:
@@ -513,6 +522,8 @@ class Reference:
             `"int8-weights"` (forced).
         cover: the last module the TFMOT model quantizes at first (it grows
             on demand, see `submit_refresh`).
+        max_cover: the last module a refresh will ask for (default: the
+            last module); growing never quantizes past it unasked.
 
     Attributes:
         path: `"tfmot"` or `"int8-weights"`.
@@ -537,6 +548,7 @@ class Reference:
         asynchronous: bool = True,
         mode: str = "auto",
         cover: int = 0,
+        max_cover: int | None = None,
     ):
         if mode not in REFERENCE_MODES:
             raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={mode!r}")
@@ -549,6 +561,7 @@ class Reference:
         self._future: concurrent.futures.Future | None = None
         self._mode = mode
         self._output_layers = list(output_layers)
+        self._max_cover = max_cover
         self.refreshes = 0
         self.refreshed_modules: tuple = ()
         start = time.perf_counter()
@@ -563,7 +576,7 @@ class Reference:
                 weights = _snapshot(model)
                 expected = keras.ops.convert_to_numpy(model(_head(self._probe_x), training=False))
                 impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
-                impl.extend(cover)
+                impl.extend(cover, self._max_cover)
                 logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
                 return impl
             except Exception as err:  # noqa: BLE001 - any failure of TFMOT's path falls back
@@ -622,7 +635,7 @@ class Reference:
             return
         start = time.perf_counter()
         try:
-            self._impl.extend(upto)
+            self._impl.extend(upto, self._max_cover)
         except Exception as err:  # noqa: BLE001 - as at build time: fall back, or report
             if self._mode != "auto" or self._impl.path != TFMOT_PATH:
                 raise ReferenceUnavailable(f"the {self._impl.path} reference failed: {_one_line(err)}") from err
