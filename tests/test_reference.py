@@ -41,7 +41,7 @@ def test_tfmot_path_is_close_to_float_model(build, rng):
         assert sp_loss(t, r) < 1e-3
 
 
-def test_refresh_follows_weights_that_grow_and_growth_stops_at_max_cover(rng):
+def test_refresh_follows_changed_weights_and_growth_stops_at_max_cover(rng):
     keras.utils.set_random_seed(3)
     model = resnet1d(widths=(8, 8, 8, 8), strides=(1, 2, 1, 2), stem_width=8)
     x = rng.rand(32, 40, 1).astype(np.float32)

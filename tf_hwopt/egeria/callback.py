@@ -187,6 +187,7 @@ class EgeriaCallback(FreezingCallback):
 
     def _build_reference(self) -> bool:
         """Builds the reference model (at the first evaluation); False when Egeria stepped aside."""
+        last = self.policy.max_frozen - 1  # no module past the cap is ever measured
         try:
             self.reference = Reference(
                 self.model,
@@ -196,8 +197,8 @@ class EgeriaCallback(FreezingCallback):
                 mode=self.reference_mode,
                 # Twice the measured prefix at once: each growth of the
                 # quantized prefix costs a rebuild and a trace (docs/egeria.md).
-                cover=min(2 * max(self._measured_modules(), default=0) + 1, self.policy.max_frozen - 1),
-                max_cover=self.policy.max_frozen - 1,  # no module past the cap is ever measured
+                cover=min(2 * max(self._measured_modules(), default=0) + 1, last),
+                max_cover=last,
             )
         except ReferenceUnavailable as err:
             self._disable(f"no reference model: {err}")

@@ -53,7 +53,7 @@ class ActivationReader:
         self.prefix_only = prefix is not None
         # Traced without AutoGraph, as Keras traces its own train step
         # (`do_not_convert`): whatever `fit` runs traces here too, and
-        # converting every layer's `call` cost seconds per reader.
+        # converting every layer's `call` is tracing time bought for nothing.
         if prefix is not None:
 
             def forward(x):

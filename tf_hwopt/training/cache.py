@@ -238,7 +238,9 @@ class ActivationCache:
 
         if begin:  # extend: each batch's rows are read, then overwritten in place
             old = self._shape(begin)
-            step = tf.function(lambda ids: write(ids, _unpack(tf.gather(table, ids), old)), reduce_retracing=True, autograph=False)
+            step = tf.function(
+                lambda ids: write(ids, _unpack(tf.gather(table, ids), old)), reduce_retracing=True, autograph=False
+            )
             for ids in self._batches():
                 step(tf.constant(ids))
         else:
