@@ -47,18 +47,18 @@ def test_refresh_follows_changed_weights_and_growth_stops_at_max_cover(rng):
     x = rng.rand(32, 40, 1).astype(np.float32)
     layers = [m.output_layer for m in partition_modules(model)]
     assert len(layers) >= 5
-    ref = Reference(model, layers, x, asynchronous=False, cover=1, max_cover=3)
-    assert ref.covered_modules == 2
-    ref.submit_refresh(model, (0, 1))
+    ref = Reference(model, layers, x, asynchronous=False, cover=2, max_cover=3)
+    assert ref.covered_modules == 3
+    ref.submit_refresh(model, (0, 1, 2))
     ref.activations()
     # Kernels 10x smaller: int8 steps of weight ranges not set from them would round them away.
     for v in model.weights:
         if len(v.shape) >= 2:
             v.assign(v.numpy() * 0.1)
-    ref.submit_refresh(model, (1, 2))
-    # Doubling would quantize modules 0..3 at least; max_cover stops it at 3.
+    ref.submit_refresh(model, (2, 3))
+    # Doubling would quantize modules 0..4 at least; max_cover stops it at 3.
     assert ref.covered_modules == 4
-    training = ActivationReader(model, [layers[1], layers[2]])(x)
+    training = ActivationReader(model, [layers[2], layers[3]])(x)
     for t, r in zip(training, ref.activations()):
         assert np.linalg.norm(t - r) / np.linalg.norm(t) < 0.05, np.linalg.norm(t - r) / np.linalg.norm(t)
 
