@@ -69,6 +69,16 @@ def test_worth_evaluating(share, step, earliest, eval_s, freeze_s, expected):
     )
 
 
+def test_worth_evaluating_counts_setup_still_to_pay():
+    """A one-off cost not paid yet (Egeria's reference build) must be repaid too; 0 once it is sunk."""
+    kwargs = dict(flops_shares=[0.2], step_seconds=0.1, step=100, total_steps=1000, earliest_freeze_step=180,
+                  interval=20, evaluation_seconds=0.5)
+    saving = best_case_saving_seconds([0.2], step_seconds=0.1, total_steps=1000, earliest_freeze_step=180,
+                                      interval=20)  # 10.9 s against 4 evaluations of 0.5 s
+    assert worth_evaluating(**kwargs, setup_seconds=saving - 2.0 - 0.01)
+    assert not worth_evaluating(**kwargs, setup_seconds=saving - 2.0 + 0.01)
+
+
 def test_best_case_counts_the_modules_a_small_front_opens_the_way_to():
     kwargs = dict(step_seconds=0.1, total_steps=1000, earliest_freeze_step=100, interval=10, freeze_seconds=1.0)
     stem_alone = best_case_saving_seconds([0.01], **kwargs)
@@ -258,3 +268,22 @@ def test_egeria_steps_back_before_building_the_reference_when_evaluating_cannot_
     assert summary["evaluation_stopped"].startswith("stepped back at step 8, before building the reference")
     assert egeria.reference is None and summary["reference_build_seconds"] == 0.0
     assert summary["status"] == "active" and summary["evaluations"] == 1 and summary["frozen_modules"] == 0
+
+
+@pytest.mark.parametrize("build_per_trace", [0.0, 1e6])
+def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch, build_per_trace):
+    """With a generous budget Egeria builds its reference; when the build (estimated from the
+    prefix reader's trace) could not be repaid, it steps back before building and says so."""
+    import tf_hwopt.egeria.callback as egeria_callback
+
+    monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", build_per_trace)
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    egeria = tf_hwopt.EgeriaCallback(eval_every=4, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria], verbose=0)
+    stopped = egeria.summary()["evaluation_stopped"] or ""
+    if build_per_trace:
+        assert stopped.startswith("stepped back at step 4, before building the reference")
+        assert "reference build (about" in stopped and egeria.reference is None
+    else:
+        assert not stopped.startswith("stepped back") and egeria.reference is not None

@@ -10,7 +10,8 @@ that saves more. These pure functions do its accounting:
   freezes still possible can save, from the modules' shares of the forward
   FLOPs, the steps left and the train-function rebuild each costs;
 - `worth_evaluating`: whether that best case repays the evaluations still
-  needed before the next freeze can happen.
+  needed before the next freeze can happen (and any one-off setup, such as
+  building Egeria's reference model, not paid yet).
   When it cannot, the callback stops evaluating and says so in `summary()`.
 
 A training step costs about three forward passes (forward, then backward
@@ -102,11 +103,14 @@ def worth_evaluating(
     interval: int,
     evaluation_seconds: float,
     freeze_seconds: float = 0.0,
+    setup_seconds: float = 0.0,
 ) -> bool:
     """Whether the freezes still possible can repay the evaluations the next one needs.
 
     `best_case_saving_seconds` against one evaluation every `interval` steps
-    from `step` to `earliest_freeze_step`.
+    from `step` to `earliest_freeze_step`, plus `setup_seconds` of one-off
+    work still to pay before the first evaluation (0 once it is paid: a sunk
+    cost does not count).
 
     Example:
     >>> worth_evaluating(flops_shares=[0.2], step_seconds=0.1, step=900, total_steps=1000,
@@ -115,6 +119,9 @@ def worth_evaluating(
     >>> worth_evaluating(flops_shares=[0.2], step_seconds=0.1, step=100, total_steps=1000,
     ...                  earliest_freeze_step=180, interval=20, evaluation_seconds=0.5)
     True
+    >>> worth_evaluating(flops_shares=[0.2], step_seconds=0.1, step=100, total_steps=1000,
+    ...                  earliest_freeze_step=180, interval=20, evaluation_seconds=0.5, setup_seconds=10.0)
+    False
     """
     if earliest_freeze_step >= total_steps:
         return False
@@ -127,4 +134,4 @@ def worth_evaluating(
         interval=interval,
         freeze_seconds=freeze_seconds,
     )
-    return saving > evaluations * evaluation_seconds
+    return saving > evaluations * evaluation_seconds + setup_seconds
