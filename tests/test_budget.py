@@ -287,3 +287,13 @@ def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch,
         assert "reference build (about" in stopped and egeria.reference is None
     else:
         assert not stopped.startswith("stepped back") and egeria.reference is not None
+
+
+def test_budget_docstring_examples_hold():
+    """The examples in the cost/benefit functions' docstrings are the numbers users read: keep them true."""
+    import doctest
+
+    import tf_hwopt.freezing.budget as budget
+
+    result = doctest.testmod(budget)
+    assert result.attempted >= 6 and result.failed == 0

@@ -81,7 +81,7 @@ def best_case_saving_seconds(
     Example:
     >>> round(best_case_saving_seconds([0.01, 0.3], step_seconds=0.1, total_steps=1000,
     ...                                earliest_freeze_step=100, interval=10, freeze_seconds=1.0), 2)
-    14.4
+    16.4
     """
     best = total = 0.0
     for j, share in enumerate(flops_shares):
