@@ -12,6 +12,7 @@ from tf_hwopt.bench.freezing import (
     reaches,
     report_freezing_benchmark,
     run_freezing_benchmark,
+    run_order,
     summarise_strategy,
     target_metric,
     time_to_target,
@@ -172,6 +173,7 @@ def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):
             else:
                 assert 0.0 < r["final_metric"] < 8.0  # bits/char of a 128-symbol alphabet
             run = r["seeds"][0]
+            assert run["run_position"] == run_order(list(w["strategies"]), 0).index(s)
             assert len(run["epoch_wall_s"]) == len(run["epoch_metric"]) == w["epochs"]
             assert np.all(np.diff(run["epoch_wall_s"]) > 0)
             assert r["frozen_modules"] == sum(e["kind"] == "freeze" for e in run["freeze_events"]) - sum(
@@ -242,3 +244,13 @@ def test_timing_benchmark_writes_repeated_medians_and_the_fit_ratio(tmp_path, ca
     assert report["repeatability_cv"] >= 0 and report["fit_step_ms"] > 0
     assert math.isclose(report["time_step_over_fit_step"], float(np.median(medians)) / report["fit_step_ms"])
     assert "time_step repeatability: CV" in capsys.readouterr().out
+
+
+def test_run_order_puts_every_strategy_at_every_position_once_per_cycle():
+    strategies = ["no_freeze", "egeria", "egeria+cache"]
+    orders = [run_order(strategies, seed) for seed in range(3)]
+    assert all(sorted(order) == sorted(strategies) for order in orders)
+    for position in range(3):
+        assert sorted(order[position] for order in orders) == sorted(strategies)
+    assert run_order(strategies, 3) == run_order(strategies, 0) == strategies
+    assert run_order(["no_freeze"], 5) == ["no_freeze"]

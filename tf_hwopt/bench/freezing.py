@@ -193,6 +193,23 @@ def add_speedups(strategies: dict) -> None:
 # ------------------------------------------------------------------ runs
 
 
+def run_order(strategies: Sequence[str], seed: int) -> list[str]:
+    """The order the strategies run in for `seed`: rotated by one place per seed.
+
+    This host's speed drifts over minutes (the same no-freezing run, repeated
+    back to back: 36.7, 38.7, 39.5 s wall). Run always in the same order, the
+    later strategies pay for the drift; rotated, each strategy runs at each
+    position once in `len(strategies)` seeds, and a steady drift cancels out
+    of the means.
+
+    Example:
+    >>> [run_order(["no_freeze", "egeria", "egeria+cache"], seed) for seed in range(3)]
+    [['no_freeze', 'egeria', 'egeria+cache'], ['egeria', 'egeria+cache', 'no_freeze'], ['egeria+cache', 'no_freeze', 'egeria']]
+    """
+    shift = seed % len(strategies) if strategies else 0
+    return list(strategies[shift:]) + list(strategies[:shift])
+
+
 def _run(workload: Workload, strategy: str, seed: int, verbose: int) -> dict:
     callback = STRATEGIES[strategy]()
     started = time.perf_counter()
@@ -321,8 +338,8 @@ def run_freezing_benchmark(
         here = [s for s in strategies if s not in CACHED_STRATEGIES or name in CACHE_WORKLOADS]
         runs = {s: [] for s in here}
         for seed in range(seeds):
-            for strategy in here:
-                runs[strategy].append(_run(workload, strategy, seed, verbose))
+            for position, strategy in enumerate(run_order(here, seed)):
+                runs[strategy].append({**_run(workload, strategy, seed, verbose), "run_position": position})
         results["workloads"][name] = {
             "metric": workload.metric,
             "unit": workload.unit,
