@@ -20,25 +20,30 @@ def resnet50_v2():
     return keras.applications.ResNet50V2(input_shape=(32, 32, 3), weights=None, classes=4)
 
 
-def stock_transformer_lm(pre_ln: bool, blocks: int = 2, dim: int = 32, float_ids: bool = False):
-    """A character LM written with stock Keras layers only (no custom class)."""
+def stock_transformer_lm(pre_ln: bool, blocks: int = 2, dim: int = 32, float_ids: bool = False,
+                         residual_ops: bool = False):
+    """A character LM written with stock Keras layers only (no custom class).
+
+    `residual_ops`: the residuals written `h + a` (a `keras.ops` operation in
+    the graph, not a layer) instead of `keras.layers.Add`."""
+    add = (lambda pair: pair[0] + pair[1]) if residual_ops else (lambda pair: keras.layers.Add()(pair))
     ids = keras.Input((SEQ,), dtype="float32" if float_ids else "int32", name="ids")
     h = keras.layers.Embedding(VOCAB, dim, name="embed")(ids)
     for _ in range(blocks):
         if pre_ln:
             a = keras.layers.LayerNormalization()(h)
             a = keras.layers.MultiHeadAttention(2, dim // 2)(a, a, use_causal_mask=True)
-            h = keras.layers.Add()([h, a])
+            h = add([h, a])
             f = keras.layers.LayerNormalization()(h)
             f = keras.layers.Dense(2 * dim, activation="gelu")(f)
             f = keras.layers.Dense(dim)(f)
-            h = keras.layers.Add()([h, f])
+            h = add([h, f])
         else:
             a = keras.layers.MultiHeadAttention(2, dim // 2)(h, h, use_causal_mask=True)
-            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, keras.layers.Dropout(0.1)(a)]))
+            h = keras.layers.LayerNormalization()(add([h, keras.layers.Dropout(0.1)(a)]))
             f = keras.layers.Dense(2 * dim, activation="relu")(h)
             f = keras.layers.Dense(dim)(f)
-            h = keras.layers.LayerNormalization()(keras.layers.Add()([h, f]))
+            h = keras.layers.LayerNormalization()(add([h, f]))
     if pre_ln:
         h = keras.layers.LayerNormalization()(h)
     return keras.Model(ids, keras.layers.Dense(VOCAB, name="logits")(h))

@@ -278,6 +278,36 @@ def test_stock_layer_transformer_trains_freezes_and_exports(pre_ln, tmp_path):
     assert s["reference_path"] == "tfmot" and s["num_modules"] == 3 and s["frozen_modules"] >= 1
 
 
+def test_transformer_with_operator_residuals_trains_freezes_and_exports(tmp_path):
+    """`h + a` puts a `keras.ops` Add, which is no layer (no weights, no `trainable`), in the
+    graph: it cuts the modules like a layer, and freezing leaves it alone."""
+    keras.utils.set_random_seed(0)
+    model = R.stock_transformer_lm(True, residual_ops=True)
+    assert any(not isinstance(op, keras.layers.Layer) for op in model.operations)
+    x, y = R.token_data()
+    egeria, _ = train_freeze_and_export(model, x, y, tmp_path)
+    s = egeria.summary()
+    assert s["status"] == "active" and s["num_modules"] == 3 and s["frozen_modules"] >= 1, s
+    assert all(isinstance(layer, keras.layers.Layer) for m in egeria.modules for layer in m.layers)
+
+
+def test_an_unexpected_partition_failure_stops_egeria_not_fit(monkeypatch, mnist1d_small):
+    from conftest import compile_model, small_resnet
+    from tf_hwopt.freezing import callback as callback_module
+
+    def broken(*args, **kwargs):
+        raise AttributeError("simulated partition failure")
+
+    monkeypatch.setattr(callback_module, "partition_modules", broken)
+    x, y, _, _ = mnist1d_small
+    egeria = loose(eval_every=4)
+    with pytest.warns(RuntimeWarning, match="EgeriaCallback stopped: setup failed .*simulated partition failure"):
+        history = compile_model(small_resnet()).fit(x[:256], y[:256], batch_size=32, epochs=2, callbacks=[egeria],
+                                                    verbose=0)
+    assert len(history.history["loss"]) == 2
+    assert egeria.summary()["status"] == "disabled" and egeria.modules is None
+
+
 def test_custom_layer_transformer_falls_back_and_trains(tmp_path):
     from tf_hwopt.models import char_transformer
 

@@ -26,6 +26,18 @@ def is_functional(model) -> bool:
     return hasattr(model, "_nodes_by_depth") and not isinstance(model, keras.Sequential)
 
 
+def is_add_operation(op) -> bool:
+    """Whether `op` is the operation `x + y` on Keras tensors puts in a Functional graph.
+
+    A residual written `h + a` adds a `keras.ops` Add operation, not a
+    `keras.layers.Add`; its class is exported nowhere public (Keras 3.15:
+    `keras.src.ops.numpy.Add`).
+    """
+    from keras.src.ops.numpy import Add
+
+    return isinstance(op, Add)
+
+
 def ordered_nodes(model) -> list:
     """A Functional model's layer calls (nodes) in topological order, inputs first.
 

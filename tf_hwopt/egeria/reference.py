@@ -441,6 +441,16 @@ def _compiled_assign(variables: list):
     return assign
 
 
+def _layers_and_operations(model) -> list:
+    """Every layer of `model`, then its graph's operations that are not layers.
+
+    A module may end at an operation (`h + a` on Keras tensors is a
+    `keras.ops` Add): the clone's counterpart is found by position.
+    """
+    operations = [op for op in getattr(model, "operations", []) if not isinstance(op, keras.layers.Layer)]
+    return _internals.all_layers(model) + operations
+
+
 class _CloneReference:
     path = FALLBACK_PATH
     float_layers: list = []
@@ -448,8 +458,7 @@ class _CloneReference:
     def __init__(self, model, output_layers, probe_x, reason: str):
         with tf.device("/CPU:0"):
             clone = _clone(model, probe_x)
-            originals = _internals.all_layers(model)
-            clones = _internals.all_layers(clone)
+            originals, clones = _layers_and_operations(model), _layers_and_operations(clone)
             if len(originals) != len(clones):
                 raise ReferenceUnavailable(
                     f"the clone of model {model.name!r} has a different layer structure; "

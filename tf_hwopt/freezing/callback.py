@@ -641,18 +641,18 @@ class FreezingCallback(keras.callbacks.Callback):
         """Partition, engine, policy and the subclass's setup, once the model is built."""
         self._setup_pending = False
         first_fit = self.modules is None
-        if first_fit:
-            try:
-                sample = self.probe_inputs if graph_kind(self.model) == "subclassed" else None
-            except _ProbeUnavailable:
-                sample = None  # FLOPs then stay unknown; the setup below reports the missing probe
-            self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
-        self.engine = FreezingEngine(self.model, self.modules)
-        self._rebuilds_seen = 0
-        self._batch_norm_readers = {}
-        if self.log_dir and self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
         try:
+            if first_fit:
+                try:
+                    sample = self.probe_inputs if graph_kind(self.model) == "subclassed" else None
+                except _ProbeUnavailable:
+                    sample = None  # FLOPs then stay unknown; the setup below reports the missing probe
+                self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
+            self.engine = FreezingEngine(self.model, self.modules)
+            self._rebuilds_seen = 0
+            self._batch_norm_readers = {}
+            if self.log_dir and self._writer is None:
+                self._writer = tf.summary.create_file_writer(self.log_dir)
             if first_fit:
                 self.policy = self._make_policy()
             self._setup(first_fit)

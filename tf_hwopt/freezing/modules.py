@@ -208,7 +208,7 @@ def _is_attention_block(group) -> bool:
 def _is_residual_feed_forward(group) -> bool:
     return (
         not _is_attention_block(group)
-        and any(isinstance(layer, keras.layers.Add) for layer in group)
+        and any(isinstance(layer, keras.layers.Add) or _internals.is_add_operation(layer) for layer in group)
         and any(_is_heavy(layer) for layer in group)
     )
 
@@ -395,9 +395,11 @@ def partition_modules(
         )
     flops = None
     if count_flops:
-        names = [layer.name for group in groups for layer in group]
+        names = [layer.name for group in groups for layer in group if isinstance(layer, keras.layers.Layer)]
         try:
             flops = forward_flops_by_layer(model, names, sample_input=sample_input)
+            # Operations that are not layers (`h + a`) are counted as free.
+            flops.update({op.name: 0.0 for group in groups for op in group if not isinstance(op, keras.layers.Layer)})
         except Exception:  # noqa: BLE001 - FLOPs are informative only
             flops = None
     if modules is None and flops is not None:
@@ -405,13 +407,17 @@ def partition_modules(
     result = []
     for i, group in enumerate(groups):
         name = group[0].name if len(group) == 1 else f"{group[0].name}..{group[-1].name}"
+        # A Functional graph also holds operations that are not layers
+        # (`x + y` on Keras tensors is a `keras.ops` Add): they cut the graph
+        # like a layer, but hold no weights and cannot be made non-trainable.
+        layers = tuple(layer for layer in group if isinstance(layer, keras.layers.Layer))
         result.append(
             Module(
                 index=i,
                 name=name,
-                layers=tuple(group),
+                layers=layers,
                 output_layer=group[-1],
-                params=int(sum(int(keras.ops.size(w)) for layer in group for w in layer.weights)),
+                params=int(sum(int(keras.ops.size(w)) for layer in layers for w in layer.weights)),
                 flops=None if flops is None else float(sum(flops[layer.name] for layer in group)),
             )
         )
