@@ -19,7 +19,7 @@ from tf_hwopt.bench.freezing import (
 )
 from tf_hwopt.bench.throughput import analytic_floor_fraction
 from tf_hwopt.cli import main
-from tf_hwopt.data import encode_chars, load_stdlib_chars
+from tf_hwopt.data import encode_chars, load_digits_images, load_stdlib_chars
 
 
 def test_target_is_half_a_point_below_accuracy_or_one_percent_above_loss():
@@ -145,6 +145,27 @@ def test_stdlib_character_data_is_shifted_by_one_and_held_out_by_file():
     assert encode_chars("a\u00e9\n").tolist() == [97, 0, 10]
     with pytest.raises(ValueError, match="seq_len"):
         load_stdlib_chars(1)
+
+
+def test_digits_images_are_the_real_digits_enlarged_and_split_without_overlap():
+    from sklearn.datasets import load_digits
+
+    (x, y), (x_test, y_test) = load_digits_images(16)
+    digits = load_digits()
+    assert x.shape == (1438, 16, 16, 3) and x_test.shape == (359, 16, 16, 3) and x.dtype == np.float32
+    assert y.dtype == np.int32 and set(np.unique(y)) == set(range(10))
+    assert 0.0 <= x.min() and x.max() == 1.0
+    # Each pixel is repeated 2x2 and over the channels: shrinking gives a digit back.
+    small = x[:, ::2, ::2, 0] * 16
+    np.testing.assert_array_equal(x[:, 1::2, 1::2, 2] * 16, small)
+    row = next(i for i, image in enumerate(digits.images) if np.array_equal(image, small[0]))
+    assert digits.target[row] == y[0]
+    # Train and test are disjoint, and the split is the same each call.
+    train_rows = {img.tobytes() for img in x[:, ::2, ::2, 0]}
+    assert not any(img.tobytes() in train_rows for img in x_test[:, ::2, ::2, 0])  # no digit is there twice
+    np.testing.assert_array_equal(load_digits_images(16)[1][1], y_test)
+    with pytest.raises(ValueError, match="size"):
+        load_digits_images(12)
 
 
 def test_quick_profile_writes_complete_and_sane_json(tmp_path, capsys):

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     freezing.add_argument("--seeds", type=_positive, default=None, help="default: 1 (quick), 3 (full)")
     freezing.add_argument(
         "--workloads", default=None,
-        help="comma-separated (default: all but charlm-long, the 12-epoch charlm)",
+        help="comma-separated (default: all but charlm-long, the 12-epoch charlm, and digits-resnet50v2)",
     )
     freezing.add_argument(
         "--strategies", default="no_freeze,freezeout,gradnorm,egeria,egeria+cache",

@@ -3,7 +3,9 @@
 MNIST-1D (Greydanus 2020) is regenerated locally by the `mnist1d` package
 from its templates; nothing is downloaded. The result is cached as `.npz`
 under `$TF_HWOPT_CACHE` (default `~/.cache/tf_hwopt`) because generation
-takes ~13 s for 50,000 examples.
+takes ~13 s for 50,000 examples. The other sources ship with what is
+installed: the Python standard library's source and `pydoc_data` prose
+(character language models), scikit-learn's 8x8 digits (images).
 """
 
 from __future__ import annotations
@@ -161,6 +163,42 @@ def load_prose_chars(
     text = "\n".join(topics[key] for key in sorted(topics))
     split = int(len(text) * (1 - val_fraction))
     return _windows([text[:split]], seq_len, max_train_chars), _windows([text[split:]], seq_len, max_val_chars)
+
+
+def load_digits_images(size: int = 32, *, test_fraction: float = 0.2, seed: int = 0):
+    """scikit-learn's bundled handwritten digits as small RGB images.
+
+    The 1,797 real 8x8 digits of `sklearn.datasets.load_digits` (shipped
+    with scikit-learn, nothing downloaded), scaled to [0, 1], enlarged to
+    `size` x `size` by pixel repetition and repeated over 3 channels, so that
+    image models built for RGB input (`keras.applications`) take them.
+    A fixed shuffle (`seed`) holds out `test_fraction` of them.
+
+    Returns:
+        `(x_train, y_train), (x_test, y_test)`: float32 images of shape
+        `(n, size, size, 3)` and int32 labels in 0..9.
+
+    Example:
+    >>> (x, y), (x_test, y_test) = load_digits_images(32)
+    >>> x.shape, x_test.shape
+    ((1438, 32, 32, 3), (359, 32, 32, 3))
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 8 or size % 8:
+        raise ValueError(f"`size` must be a multiple of 8 (the digits are 8x8). Received: size={size!r}")
+    if not isinstance(test_fraction, float) or not 0 < test_fraction < 1:
+        raise ValueError(f"`test_fraction` must be a float in (0, 1). Received: test_fraction={test_fraction!r}")
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    scale = size // 8
+    images = (digits.images / 16.0).astype(np.float32)
+    images = images.repeat(scale, axis=1).repeat(scale, axis=2)
+    x = np.repeat(images[..., None], 3, axis=-1)
+    y = digits.target.astype(np.int32)
+    order = np.random.RandomState(seed).permutation(len(y))
+    split = len(y) - int(round(test_fraction * len(y)))
+    train, test = order[:split], order[split:]
+    return (x[train], y[train]), (x[test], y[test])
 
 
 def _check_window_args(seq_len, val_every) -> None:

@@ -12,7 +12,9 @@ shifted variant: more noise and shear, permuted labels, another seed) and
 `finetune-charlm` (the char Transformer pretrained on the standard library's
 source, fine-tuned on the prose of `pydoc_data`). Pretrained weights are
 built once and kept on disk (`tf_hwopt.bench.pretrained`); building them is
-not part of any timing.
+not part of any timing. A large model, on request: `digits-resnet50v2`
+(`keras.applications.ResNet50V2`, 23.5M weights, on scikit-learn's digits),
+for Egeria's costs where a train-function trace takes seconds.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 from tf_hwopt.bench.harness import compiled_model
 from tf_hwopt.bench.pretrained import pretrained_weights
-from tf_hwopt.data import load_mnist1d, load_prose_chars, load_stdlib_chars
+from tf_hwopt.data import load_digits_images, load_mnist1d, load_prose_chars, load_stdlib_chars
 from tf_hwopt.models import char_transformer, resnet1d
 
 PROFILES = ("quick", "full")
@@ -253,12 +255,42 @@ def finetune_charlm_workload(profile: str = "full") -> Workload:
     )
 
 
+def digits_resnet50v2_workload(profile: str = "full") -> Workload:
+    """`keras.applications.ResNet50V2` (no pretrained weights) on scikit-learn's digits at 32x32.
+
+    The model a user brings, at full size (23.5M weights, 18 modules): its
+    train function takes 10-15 s to trace on a CPU, so every freeze costs
+    that much once. 40 epochs of 23 steps in `full`.
+    """
+    _check_profile(profile)
+    (x, y), test = load_digits_images(32)
+    if profile == "quick":
+        x, y = x[:256], y[:256]
+
+    def build() -> keras.Model:
+        return keras.applications.ResNet50V2(weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None)
+
+    return Workload(
+        name="digits-resnet50v2",
+        metric="accuracy",
+        data=((x, y), test),
+        build_model=build,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        epochs=40 if profile == "full" else 2,
+        batch_size=64,
+        learning_rate=1e-3,
+        unit="accuracy",
+        description=f"ResNet50V2 (keras.applications, 18 modules), digits at 32x32, {len(y)} train / {len(test[1])} test",
+    )
+
+
 WORKLOADS = {
     "mnist1d": mnist1d_workload,
     "charlm": charlm_workload,
     "finetune-mnist1d": finetune_mnist1d_workload,
     "finetune-charlm": finetune_charlm_workload,
     "charlm-long": charlm_long_workload,
+    "digits-resnet50v2": digits_resnet50v2_workload,
 }
-#: What `tf-hwopt bench freezing` runs unless told otherwise (charlm-long on request).
+#: What `tf-hwopt bench freezing` runs unless told otherwise (charlm-long and digits-resnet50v2 on request).
 DEFAULT_WORKLOADS = ("mnist1d", "charlm", "finetune-mnist1d", "finetune-charlm")
