@@ -119,7 +119,7 @@ def load_stdlib_chars(
 
     Example:
     >>> (x, y), (x_val, y_val) = load_stdlib_chars(128, max_train_chars=1_000_000)
-    >>> (x[:, 1:] == y[:, :-1]).all()
+    >>> bool((x[:, 1:] == y[:, :-1]).all())
     True
     """
     _check_window_args(seq_len, val_every)
