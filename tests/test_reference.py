@@ -78,6 +78,31 @@ def test_background_refresh_matches_synchronous(rng):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_one_call_read_and_refresh_matches_a_read_and_a_snapshot_refresh(rng):
+    keras.utils.set_random_seed(4)
+    model = resnet1d(widths=(8, 8, 8), strides=(1, 2, 1), stem_width=8)
+    x = rng.rand(16, 40, 1).astype(np.float32)
+    layers = [m.output_layer for m in partition_modules(model)]
+    one_call = Reference(model, layers, x, asynchronous=False, cover=2)
+    snapshot = Reference(model, layers, x, asynchronous=True, cover=2)  # off-thread: the snapshot path
+    for step in range(2):
+        reads = one_call.read_and_refresh(model, (1, 2))
+        snapshot.submit_refresh(model, (1, 2))
+        assert one_call.refreshed_modules == (1, 2) and one_call.refreshes == step + 1
+        for a, b in zip(reads, ActivationReader(model, layers[1:3])(x)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        for a, b in zip(one_call.activations(), snapshot.activations()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        # The next refresh must follow the weights of then, not of the first call.
+        for v in model.trainable_weights:
+            v.assign(v.numpy() * 0.5 + 0.01)
+    assert [fn is not None for fn in one_call.compiled.values()] == [True]  # one function, traced once
+    # Where it does not apply (off-thread, or past the quantized prefix), None: read and refresh as usual.
+    assert snapshot.read_and_refresh(model, (1, 2)) is None
+    assert one_call.read_and_refresh(model, (3,)) is None
+    snapshot.close()
+
+
 def test_fallback_for_subclassed_model_is_reported(rng):
     model = SmallSubclassed()
     x = rng.rand(8, 10, 1).astype(np.float32)

@@ -172,6 +172,7 @@ class EgeriaCallback(FreezingCallback):
         # building the reference, or a refresh that must extend its prefix.
         self._build_pending = False
         self._refresh_pending = False
+        self._refreshed_with_read = False
 
     # ------------------------------------------------------------------ setup
 
@@ -277,6 +278,7 @@ class EgeriaCallback(FreezingCallback):
 
     def _measure(self) -> list[float] | None:
         """The measured modules' plasticity (NaN elsewhere); None while the reference lacks the candidate."""
+        self._refreshed_with_read = False
         if self.reference is None:
             # The first evaluation: the step time is known now. Build the
             # reference only if evaluating can pay (its first refresh follows),
@@ -293,8 +295,16 @@ class EgeriaCallback(FreezingCallback):
         modules = self.reference.refreshed_modules if self.reference.ready() else ()
         if self.policy.num_frozen not in modules:
             return None
-        activations = dict(zip(modules, self._reader_for(modules)(self.probe)))
         reference = dict(zip(modules, self.reference.activations()))
+        # The reference's refresh from the weights of now, when due for the
+        # same modules, runs in the same compiled call as the read.
+        reads = None
+        if modules == self._measured_modules() and self._refresh_due():
+            compiled = len(self.reference.compiled)
+            reads = self.reference.read_and_refresh(self.model, modules)
+            self._one_off_work |= len(self.reference.compiled) > compiled  # traced at its first call
+        self._refreshed_with_read = reads is not None
+        activations = dict(zip(modules, reads if reads is not None else self._reader_for(modules)(self.probe)))
         return [
             sp_loss(activations[i], reference[i], gram_dtype=np.float32) if i in activations else math.nan
             for i in range(len(self.modules))
@@ -304,9 +314,9 @@ class EgeriaCallback(FreezingCallback):
         if self.reference is None or self.policy.settled or self.evaluation_stopped or self.disabled_reason:
             return
         modules = self._measured_modules()
-        if modules and (
-            (self.evaluations - 1) % self.reference_refresh == 0 or modules != self.reference.refreshed_modules
-        ):
+        if self._refreshed_with_read and modules == self.reference.refreshed_modules:
+            return  # refreshed in the evaluation's read, from the same weights
+        if modules and (self._refresh_due() or modules != self.reference.refreshed_modules):
             if max(modules) >= self.reference.covered_modules and self._defers_to_epoch_end():
                 self._refresh_pending = True  # quantizing a longer prefix takes seconds: at the epoch end
                 return
@@ -314,6 +324,9 @@ class EgeriaCallback(FreezingCallback):
                 self._one_off_work = True  # the reference may grow, and traces its first refresh
                 self._refreshed_sets.add(modules)
             self.reference.submit_refresh(self.model, modules)
+
+    def _refresh_due(self) -> bool:
+        return (self.evaluations - 1) % self.reference_refresh == 0
 
     def _epoch_end_work(self) -> None:
         build, refresh = self._build_pending, self._refresh_pending

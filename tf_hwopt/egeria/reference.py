@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tf_hwopt import _internals
 from tf_hwopt._structures import take
-from tf_hwopt.freezing.probe import ActivationReader
+from tf_hwopt.freezing.probe import ActivationReader, conform_inputs
 
 logger = logging.getLogger("tf_hwopt.egeria")
 
@@ -326,7 +326,7 @@ class _TfmotReference:
             self._calibration = self._calibration_plan(tf_keras)
             # Compiled once per prefix; a refresh is three calls of compiled functions.
             prefix = {layer.name for layer in self._float.layers}
-            targets, self._sources = [], []
+            targets, self._sources, quantized = [], [], []
             for name, idx in self._slices.items():
                 if name not in prefix:
                     continue
@@ -338,7 +338,10 @@ class _TfmotReference:
                         raise _NotRebuildable(f"layer {name!r} weights do not match in number")
                     targets.extend(model_vars)
                     self._sources.extend((i, quantize) for i in idx)
+                # The quantized layer's variables alone, for the one-call refresh (`read_and_refresh`).
+                quantized.extend((variable, i, quantize) for variable, i in zip(model_vars, idx))
             self._assign = _compiled_assign(targets)
+            self._quantized_targets = quantized
             weight_quantizers = [
                 q for layer in self._quantized.layers for q in _internals.tfmot_weight_quantizers(layer)
             ]
@@ -374,6 +377,7 @@ class _TfmotReference:
         """Pairs each activation-range variable with the float tensor it quantizes."""
         plan = []  # (min_var, max_var, index of float tensor in self._float_probe outputs)
         float_tensors = []
+        self._calibration_layers = []  # the layer (name) producing each float tensor
         input_names = {t.name.split(":")[0] for t in self._float.inputs}
         for layer in self._quantized.layers:
             weight_quantizer_vars = {
@@ -389,11 +393,13 @@ class _TfmotReference:
                 continue
             inner = getattr(layer, "layer", None)
             if inner is not None:
-                source = self._float.get_layer(inner.name).output
+                name = inner.name
+                source = self._float.get_layer(name).output
             else:  # a QuantizeLayer quantizing a model input
-                producer = _internals.tf_keras_producer(layer)
-                source = self._float.get_layer(producer.name).output if producer.name not in input_names else self._float.inputs[0]
+                name = _internals.tf_keras_producer(layer).name
+                source = self._float.get_layer(name).output if name not in input_names else self._float.inputs[0]
             float_tensors.append(source)
+            self._calibration_layers.append(name)
             for pair in ranges.values():
                 plan.append((pair["min"], pair["max"], len(float_tensors) - 1))
         self._float_probe = tf_keras.Model(self._float.inputs, float_tensors) if float_tensors else None
@@ -408,6 +414,50 @@ class _TfmotReference:
                 max_var.assign(tf.maximum(tf.reduce_max(outs[i]), 0.0))
         acts = self._reader(x, training=False)
         return acts if isinstance(acts, list) else [acts]
+
+    def fused(self, model, output_layers: Sequence):
+        """One compiled function reading `model` and refreshing the quantized prefix from its weights, or None.
+
+        `fn(probe_x) -> (reads, references)`: the covered modules' outputs
+        (`output_layers[0..covered]`) in the training model (float32) and in
+        the quantized prefix, after copying the model's current weights into
+        the quantized prefix (variable to variable, no host copy) and ranging
+        its activations on the training model's activations of the same
+        forward pass. What a snapshot, `refresh` and a read of the training
+        model compute, in one call (8 ms against 21 ms on the MNIST-1D
+        ResNet). None where the training model's prefix is no sub-model, or a
+        layer needs int8 weights by hand.
+        """
+        if any(quantize for _, _, quantize in self._quantized_targets):
+            return None
+        names, read_layers = self._calibration_layers, list(output_layers[: self.covered + 1])
+        if any(_internals.call_count(layer) != 1 for layer in read_layers):
+            return None
+        try:
+            prefix = keras.Model(
+                model.inputs, [model.get_layer(name).output for name in names] + [layer.output for layer in read_layers]
+            )
+        except (AttributeError, ValueError, TypeError, IndexError):
+            return None
+        pairs = [(target, model.weights[i]) for target, i, _ in self._quantized_targets]
+        calibration, reader, weight_ranges = self._calibration, self._reader, self._weight_ranges
+
+        def fused_fn(x):
+            outs = prefix(x, training=False)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            floats, reads = outs[: len(names)], outs[len(names) :]
+            for target, source in pairs:
+                target.assign(tf.cast(source.value, target.dtype))
+            weight_ranges()
+            for min_var, max_var, i in calibration:
+                value = tf.cast(floats[i], min_var.dtype)
+                min_var.assign(tf.minimum(tf.reduce_min(value), 0.0))
+                max_var.assign(tf.maximum(tf.reduce_max(value), 0.0))
+            refs = reader(x, training=False)
+            refs = refs if isinstance(refs, (list, tuple)) else [refs]
+            return [tf.cast(r, tf.float32) for r in reads], [tf.cast(r, tf.float32) for r in refs]
+
+        return tf.function(fused_fn, autograph=False)
 
     def refresh(self, weights: dict, probe_x, modules: Sequence[int]) -> list[np.ndarray]:
         values = [quantize_int8_per_channel(weights[i]) if q else weights[i] for i, q in self._sources]
@@ -573,6 +623,8 @@ class Reference:
         self._max_cover = max_cover
         self.refreshes = 0
         self.refreshed_modules: tuple = ()
+        # read_and_refresh's compiled function of each quantized prefix (None: not applicable).
+        self.compiled: dict = {}
         start = time.perf_counter()
         self._impl = self._build(model, self._output_layers, mode, cover)
         self.build_seconds = time.perf_counter() - start
@@ -664,11 +716,49 @@ class Reference:
         """
         modules = tuple(range(len(self._output_layers))) if modules is None else tuple(modules)
         self._extend(model, max(modules))
+        if self.read_and_refresh(model, modules) is not None:
+            return  # on the training thread: the one-call refresh (its read unused)
         weights = _snapshot(model, self._impl.weight_indices())
         impl = self._impl
         self.refreshes += 1
         self.refreshed_modules = modules
         self._future = self._run(lambda: impl.refresh(weights, self._probe_x, modules))
+
+    def _fused(self, model):
+        """The one-call read and refresh of the current quantized prefix (built once per prefix), or None."""
+        if self._executor is not None or not hasattr(self._impl, "fused"):
+            return None
+        # The quantized prefix is rebuilt when it grows: a function per prefix.
+        key = (id(self._impl), self._impl.covered)
+        if key not in self.compiled:
+            self.compiled[key] = self._impl.fused(model, self._output_layers)
+        return self.compiled[key]
+
+    def read_and_refresh(self, model, modules: Sequence[int]) -> list[np.ndarray] | None:
+        """Reads `modules`' outputs in `model` on the probe and refreshes them, in one compiled call.
+
+        The same result as reading the training model and then calling
+        `submit_refresh(model, modules)`, at less than half the cost (no
+        weight snapshot, one forward pass of the training model's prefix for
+        both). Only on the training thread (not `asynchronous`), on the TFMOT
+        path, for modules the quantized prefix covers already. Returns the
+        training model's activations (float32), or None where it does not
+        apply: the caller then reads and refreshes the usual way.
+        """
+        modules = tuple(modules)
+        fn = self._fused(model) if max(modules) <= self._impl.covered else None
+        if fn is None:
+            return None
+        start = time.perf_counter()
+        with tf.device("/CPU:0"):
+            reads, refs = fn(conform_inputs(model, self._probe_x))
+        activations = [np.asarray(refs[m]) for m in modules]
+        self.refreshes += 1
+        self.refreshed_modules = modules
+        self._future = concurrent.futures.Future()
+        self._future.set_result(activations)
+        self.work_seconds += time.perf_counter() - start
+        return [np.asarray(reads[m]) for m in modules]
 
     def ready(self) -> bool:
         """Whether a refresh has been submitted (its result may still be pending)."""
