@@ -408,10 +408,7 @@ class _TfmotReference:
     def _calibrate_and_read_fn(self, x):
         if self._float_probe is not None:
             outs = self._float_probe(x, training=False)
-            outs = outs if isinstance(outs, list) else [outs]
-            for min_var, max_var, i in self._calibration:
-                min_var.assign(tf.minimum(tf.reduce_min(outs[i]), 0.0))
-                max_var.assign(tf.maximum(tf.reduce_max(outs[i]), 0.0))
+            _set_activation_ranges(self._calibration, outs if isinstance(outs, list) else [outs])
         acts = self._reader(x, training=False)
         return acts if isinstance(acts, list) else [acts]
 
@@ -449,10 +446,7 @@ class _TfmotReference:
             for target, source in pairs:
                 target.assign(tf.cast(source.value, target.dtype))
             weight_ranges()
-            for min_var, max_var, i in calibration:
-                value = tf.cast(floats[i], min_var.dtype)
-                min_var.assign(tf.minimum(tf.reduce_min(value), 0.0))
-                max_var.assign(tf.maximum(tf.reduce_max(value), 0.0))
+            _set_activation_ranges(calibration, floats)
             refs = reader(x, training=False)
             refs = refs if isinstance(refs, (list, tuple)) else [refs]
             return [tf.cast(r, tf.float32) for r in reads], [tf.cast(r, tf.float32) for r in refs]
@@ -467,6 +461,14 @@ class _TfmotReference:
             # Activation ranges: the float activations' observed ranges.
             acts = self._calibrate_and_read(probe_x)
         return [np.asarray(acts[m], np.float32) for m in modules]
+
+
+def _set_activation_ranges(calibration, floats) -> None:
+    """Sets each activation-range variable pair to its float tensor's range (including 0), as TFMOT calibrates."""
+    for min_var, max_var, i in calibration:
+        value = tf.cast(floats[i], min_var.dtype)
+        min_var.assign(tf.minimum(tf.reduce_min(value), 0.0))
+        max_var.assign(tf.maximum(tf.reduce_max(value), 0.0))
 
 
 def _own_variables(layer) -> list:
@@ -589,6 +591,8 @@ class Reference:
         reason: why that path was taken.
         float_layers: layers TFMOT left in float (int8 weights only).
         refreshes: how many times the reference was refreshed.
+        compiled: the one-call read-and-refresh function of each quantized
+            prefix (`read_and_refresh`; None where it does not apply).
         build_seconds: wall time of the build.
         work_seconds: wall time of the build and every refresh, wherever they ran.
 
@@ -750,8 +754,7 @@ class Reference:
         if fn is None:
             return None
         start = time.perf_counter()
-        with tf.device("/CPU:0"):
-            reads, refs = fn(conform_inputs(model, self._probe_x))
+        reads, refs = fn(conform_inputs(model, self._probe_x))  # each op where its variables are
         activations = [np.asarray(refs[m]) for m in modules]
         self.refreshes += 1
         self.refreshed_modules = modules
