@@ -103,6 +103,38 @@ def test_one_call_read_and_refresh_matches_a_read_and_a_snapshot_refresh(rng):
     snapshot.close()
 
 
+def _dense_stack(share_second: bool):
+    """Dense layers from the input (TFMOT ranges the input itself); optionally the first layer called twice."""
+    inp = keras.Input((8,))
+    first = keras.layers.Dense(8, name="first")
+    h = keras.layers.ReLU(name="r1")(first(inp))
+    h = first(h) if share_second else keras.layers.Dense(8, name="second")(h)
+    h = keras.layers.Dense(8, activation="relu", name="d2")(h)
+    h = keras.layers.Dense(8, activation="relu", name="d3")(h)
+    model = keras.Model(inp, keras.layers.Dense(3, name="out")(h))
+    return model, [model.get_layer(n) for n in ("r1", "d2", "d3", "out")]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["ranged-input", "shared-layer"])
+def test_one_call_read_and_refresh_ranges_the_input_and_skips_shared_layers(rng, shared):
+    keras.utils.set_random_seed(5)
+    model, layers = _dense_stack(shared)
+    x = rng.rand(16, 8).astype(np.float32)
+    one_call = Reference(model, layers, x, asynchronous=False, cover=2)
+    snapshot = Reference(model, layers, x, asynchronous=True, cover=2)
+    reads = one_call.read_and_refresh(model, (0, 1))
+    snapshot.submit_refresh(model, (0, 1))
+    snapshot.close()
+    if shared:
+        # A layer called twice has no one output to range: read and refresh the usual way.
+        assert reads is None and one_call.refreshes == 0
+        return
+    for a, b in zip(reads, ActivationReader(model, layers[:2])(x)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    for a, b in zip(one_call.activations(), snapshot.activations()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_fallback_for_subclassed_model_is_reported(rng):
     model = SmallSubclassed()
     x = rng.rand(8, 10, 1).astype(np.float32)

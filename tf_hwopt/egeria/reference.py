@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tf_hwopt import _internals
 from tf_hwopt._structures import take
-from tf_hwopt.freezing.probe import ActivationReader, conform_inputs
+from tf_hwopt.freezing.probe import ActivationReader, conform_inputs, prefix_model
 
 logger = logging.getLogger("tf_hwopt.egeria")
 
@@ -377,8 +377,8 @@ class _TfmotReference:
         """Pairs each activation-range variable with the float tensor it quantizes."""
         plan = []  # (min_var, max_var, index of float tensor in self._float_probe outputs)
         float_tensors = []
-        self._calibration_layers = []  # the layer (name) producing each float tensor
-        input_names = {t.name.split(":")[0] for t in self._float.inputs}
+        self._calibration_layers = []  # the layer (name) producing each float tensor; None: the model input
+        input_names = [t.name.split(":")[0] for t in self._float.inputs]
         for layer in self._quantized.layers:
             weight_quantizer_vars = {
                 id(v) for _, _, qvars in _internals.tfmot_weight_quantizers(layer) for v in qvars.values()
@@ -397,9 +397,12 @@ class _TfmotReference:
                 source = self._float.get_layer(name).output
             else:  # a QuantizeLayer quantizing a model input
                 name = _internals.tf_keras_producer(layer).name
-                source = self._float.get_layer(name).output if name not in input_names else self._float.inputs[0]
+                if name in input_names:
+                    source = self._float.inputs[input_names.index(name)]
+                else:
+                    source = self._float.get_layer(name).output
             float_tensors.append(source)
-            self._calibration_layers.append(name)
+            self._calibration_layers.append(None if name in input_names else name)
             for pair in ranges.values():
                 plan.append((pair["min"], pair["max"], len(float_tensors) - 1))
         self._float_probe = tf_keras.Model(self._float.inputs, float_tensors) if float_tensors else None
@@ -428,13 +431,17 @@ class _TfmotReference:
         if any(quantize for _, _, quantize in self._quantized_targets):
             return None
         names, read_layers = self._calibration_layers, list(output_layers[: self.covered + 1])
-        if any(_internals.call_count(layer) != 1 for layer in read_layers):
-            return None
+        layer_names = [name for name in names if name is not None]
+        if len(layer_names) < len(names) and len(model.inputs) != 1:
+            return None  # a ranged input of several: the snapshot path picks it by name
         try:
-            prefix = keras.Model(
-                model.inputs, [model.get_layer(name).output for name in names] + [layer.output for layer in read_layers]
-            )
-        except (AttributeError, ValueError, TypeError, IndexError):
+            calibration_layers = [model.get_layer(name) for name in layer_names]
+        except ValueError:
+            return None
+        # Each calibrated and each read layer must be called once in the
+        # graph, so that its `output` is the one activation to range or read.
+        prefix = prefix_model(model, calibration_layers + read_layers)
+        if prefix is None:
             return None
         pairs = [(target, model.weights[i]) for target, i, _ in self._quantized_targets]
         calibration, reader, weight_ranges = self._calibration, self._reader, self._weight_ranges
@@ -442,7 +449,9 @@ class _TfmotReference:
         def fused_fn(x):
             outs = prefix(x, training=False)
             outs = outs if isinstance(outs, (list, tuple)) else [outs]
-            floats, reads = outs[: len(names)], outs[len(names) :]
+            produced, reads = iter(outs[: len(layer_names)]), outs[len(layer_names) :]
+            # A ranged model input (None) is the input itself, as on the snapshot path.
+            floats = [x if name is None else next(produced) for name in names]
             for target, source in pairs:
                 target.assign(tf.cast(source.value, target.dtype))
             weight_ranges()

@@ -49,7 +49,7 @@ class ActivationReader:
             raise ValueError(f"`capture` must be 'outputs' or 'inputs'. Received: capture={capture!r}")
         self._model = model
         self._layers = list(layers)
-        prefix = _prefix_model(model, self._layers, capture)
+        prefix = prefix_model(model, self._layers, capture)
         self.prefix_only = prefix is not None
         # Traced without AutoGraph, as Keras traces its own train step
         # (`do_not_convert`): whatever `fit` runs traces here too, and
@@ -87,7 +87,7 @@ class ActivationReader:
         return [np.asarray(a) for a in self._forward(conform_inputs(self._model, x))]
 
 
-def _prefix_model(model, layers, capture: str = "outputs"):
+def prefix_model(model, layers, capture: str = "outputs"):
     """A Functional model from `model`'s inputs to `layers`' outputs (or inputs), or None where there is none.
 
     Needs a Functional (or built Sequential) model whose `layers` are each
