@@ -229,6 +229,83 @@ def test_no_budget_evaluates_on_schedule(mnist1d_small):
     assert summary["eval_interval"] == 16
 
 
+class _FreezesAtEvaluations(FreezingPolicy):
+    """Freezes module 0 at the 1st evaluation and module 1 at the 3rd."""
+
+    def observe(self, step, values=(), learning_rate=None):
+        self.evaluations += 1
+        if self.evaluations in (1, 3):
+            self.num_frozen += 1
+            return Decision(freeze=(self.num_frozen - 1,), reason=f"evaluation {self.evaluations}")
+        return Decision()
+
+
+class _SmallFrontFreezes(FreezingCallback):
+    """Free evaluations; a train-function rebuild costs what freezing module 0 and half of module 1 saves."""
+
+    def __init__(self, holds: bool, **kwargs):
+        super().__init__(freeze_at="step", **kwargs)
+        self.HOLDS_UNPAID_FREEZES = holds
+        self.notified = []
+
+    def _make_policy(self):
+        return _FreezesAtEvaluations(len(self.modules))
+
+    def _setup(self, first_fit):
+        self.engine.listeners.append(
+            lambda kind, indices: self.notified.append((kind, indices, self._step, self._front_weights()))
+        )
+
+    def _front_weights(self):
+        return [v.numpy().copy() for layer in self.modules[0].layers for v in layer.weights]
+
+    def _measure(self):
+        self.measured_front = self.measured_front if self.evaluations > 2 else self._front_weights()
+        return [1.0] * len(self.modules)
+
+    def _repays(self, *args, **kwargs):
+        return True  # not the stop rule under test: evaluate on schedule
+
+    def _rebuild_stand_in(self):
+        shares = [m.flops / sum(n.flops for n in self.modules) for m in self.modules]
+        return freeze_saving_seconds(shares[0] + shares[1] / 2, self._step_seconds(), self.total_steps - self._step)
+
+
+@pytest.mark.parametrize("holds", [True, False], ids=["held", "peer"])
+def test_a_freeze_that_cannot_repay_its_rebuild_is_held_until_the_next(mnist1d_small, holds):
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    callback = _SmallFrontFreezes(holds, eval_every=4, overhead_budget=0.9, verbose=0)  # on schedule
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=2, callbacks=[callback], verbose=0)
+    freezes = [(indices, step) for kind, indices, step, _ in callback.notified if kind == "freeze"]
+    events = {e["module"]: e for e in callback.events}
+    first, third = callback.history[0]["step"], callback.history[2]["step"]
+    if not holds:  # the peers' behaviour: each decision at once, one rebuild each
+        assert freezes == [((0,), first), ((1,), third)]
+        return
+    # Module 0's freeze would not repay a rebuild: held, then frozen with module 1's, in one rebuild.
+    assert freezes == [((0, 1), third)]
+    assert events[0]["step"] == events[1]["step"] == third and events[0]["decided_step"] == first < third
+    assert "decided_step" not in events[1]
+    assert callback.summary()["held_modules"] == []
+    assert callback.summary()["train_function_rebuilds"] == 2  # the freeze, and the restore at train end
+    # Held, module 0 trained on (from the 2nd evaluation to its freeze at the 3rd); frozen, it stayed put.
+    at_freeze = callback.notified[0][3]
+    assert any(not np.array_equal(a, b) for a, b in zip(callback.measured_front, at_freeze))
+    assert all(np.array_equal(a, b) for a, b in zip(at_freeze, callback._front_weights()))
+
+
+def test_a_held_freeze_counts_in_the_stop_rule_and_is_saved_with_the_state(tmp_path):
+    callback = _SmallFrontFreezes(True, backup_dir=str(tmp_path), verbose=0)
+    callback.modules = [type("M", (), {"flops": f, "index": i})() for i, f in enumerate([1.0, 3.0, 4.0, 2.0])]
+    callback.policy = _FreezesAtEvaluations(4)
+    callback.policy.num_frozen = 1
+    callback._held = [((0,), "evaluation 1", 4, {})]
+    # Module 0 is held: it freezes with the candidate (module 1), so their shares count together.
+    assert callback._candidate_flops_shares() == [0.4, 0.4]
+    assert callback._snapshot()["held"] == [[[0], "evaluation 1", 4, {}]]
+
+
 def test_overhead_budget_is_validated():
     for bad in (0, 1.0, -0.1, "2%", True):
         with pytest.raises(ValueError, match="overhead_budget"):
@@ -277,6 +354,9 @@ def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch,
     import tf_hwopt.egeria.callback as egeria_callback
 
     monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", build_per_trace)
+    # Free rebuilds: the pre-flight alone is under test (a tiny model's rebuild, a third of its
+    # first step, would make the stop rule end evaluation soon after).
+    monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=4, overhead_budget=0.9, bootstrap_steps=0, verbose=0)

@@ -257,6 +257,10 @@ def _run(workload: Workload, strategy: str, seed: int, verbose: int) -> dict:
         run["reference_path"] = summary["reference_path"]
     if getattr(callback, "history", None):
         run["history"] = callback.history
+    if summary and summary.get("status") != "not started":
+        # What the freezes cost and why evaluation ended: the "why" behind the wall-time ratio.
+        for key in ("train_function_rebuilds", "rebuild_seconds", "held_modules", "evaluation_stopped"):
+            run[key] = summary.get(key)
     if cache_report is not None:
         run["cache"] = cache_report
     if verbose:

@@ -31,7 +31,7 @@ import tensorflow as tf
 from tf_hwopt import _internals
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt._io import write_json_atomic
-from tf_hwopt.freezing.budget import stretched_interval, worth_evaluating
+from tf_hwopt.freezing.budget import freeze_saving_seconds, stretched_interval, worth_evaluating
 from tf_hwopt.freezing.engine import FreezingEngine
 from tf_hwopt.freezing.modules import graph_kind, partition_modules
 from tf_hwopt.freezing.policy import Decision, FreezingPolicy
@@ -176,6 +176,11 @@ class FreezingCallback(keras.callbacks.Callback):
     TAG = "freezing"
     #: Whether the probe batch needs labels (`(x, y)`).
     LABELLED_PROBE = False
+    #: Whether a freeze that cannot repay the train-function rebuild it costs
+    #: waits (is held) until the next one, to take effect with it in one
+    #: rebuild (see `_freeze_or_hold`). Off for the peers, which reproduce
+    #: their published methods.
+    HOLDS_UNPAID_FREEZES = False
 
     def __init__(
         self,
@@ -272,6 +277,9 @@ class FreezingCallback(keras.callbacks.Callback):
         self._frozen_between_fits: list[int] = []
         # Freezes decided during this epoch, applied at its end (`freeze_at`).
         self._pending_freezes: list[tuple] = []
+        # Freezes decided but held: alone they would not repay their rebuild
+        # (`_freeze_or_hold`). (indices, reason, decided step, details).
+        self._held: list[tuple] = []
 
     # ----------------------------------------------------------- subclass API
 
@@ -436,9 +444,7 @@ class FreezingCallback(keras.callbacks.Callback):
         if earliest is not None and shares is None:
             return  # FLOPs unknown: no estimate, evaluation goes on
         # Measured costs only: a rebuild counts once one has been timed, and
-        # until then what a subclass measured in its place (the fit's first
-        # step, tracing included, is no estimate: 5.3 s against a measured
-        # 1.7 s rebuild on the MNIST-1D ResNet).
+        # until then the stand-in measured in its place (`_rebuild_stand_in`).
         rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
         if self._repays(earliest, interval, cost, shares, step_seconds, rebuild):
             return
@@ -455,16 +461,29 @@ class FreezingCallback(keras.callbacks.Callback):
             print(f"{type(self).__name__}: {self.evaluation_stopped}.", flush=True)
 
     def _rebuild_stand_in(self) -> float:
-        """Seconds a train-function rebuild is taken to cost before one has been timed."""
-        return 0.0
+        """Seconds a train-function rebuild is taken to cost before one has been timed.
+
+        A third of the fit's first step beyond a plain one: that step traces
+        the train function as a rebuild does, and also starts the input
+        pipeline and initialises kernels. Measured: MNIST-1D ResNet, first
+        step 5.3 s, rebuild 1.7 s; ResNet50V2 at 32x32, first step about
+        15 s, rebuilds 5-8 s.
+        """
+        clock, step_seconds = self._fit_clock, self._step_seconds() or 0.0
+        if clock is None or clock["first_step"] is None:
+            return 0.0
+        return max(0.0, clock["first_step"] - clock["first_steps"] * step_seconds) / 3.0
 
     def _candidate_flops_shares(self) -> list[float] | None:
         """FLOPs shares of the modules that may still freeze, front to back (None if unknown)."""
         total = sum(m.flops or 0.0 for m in self.modules)
         candidates = self.modules[self.policy.num_frozen : self.policy.max_frozen]
-        if not total or any(m.flops is None for m in candidates):
+        held = [self.modules[i] for indices, *_ in self._held for i in indices]
+        if not total or not candidates or any(m.flops is None for m in candidates + held):
             return None
-        return [m.flops / total for m in candidates]
+        shares = [m.flops / total for m in candidates]
+        shares[0] += sum(m.flops for m in held) / total  # the held modules freeze with the candidate
+        return shares
 
     def _evaluate(self) -> None:
         self.evaluations += 1
@@ -513,13 +532,14 @@ class FreezingCallback(keras.callbacks.Callback):
         if decision.relative_slope is not None:
             details["relative_slope"] = decision.relative_slope
         if decision.unfreeze:
+            self._held = []  # re-opened in the policy's eyes too: their convergence is to be shown again
             changed = self.engine.unfreeze(decision.unfreeze)
             self._record("unfreeze", changed, decision.reason, details)
         if decision.freeze:
             if self._defers_to_epoch_end():
                 self._pending_freezes.append((tuple(decision.freeze), decision.reason, self._step, details))
             else:
-                self._freeze(decision.freeze, decision.reason, **details)
+                self._freeze_or_hold(decision.freeze, decision.reason, self._step, details)
 
     def _defers_to_epoch_end(self) -> bool:
         """Whether one-off work (a freeze, a subclass's build) decided now waits for the epoch end.
@@ -536,12 +556,52 @@ class FreezingCallback(keras.callbacks.Callback):
     def _apply_pending_freezes(self) -> None:
         pending, self._pending_freezes = self._pending_freezes, []
         for indices, reason, decided, details in pending:
-            self._freeze(indices, reason, decided_step=decided, **details)
+            self._freeze_or_hold(indices, reason, decided, {**details, "decided_step": decided})
+
+    def _freeze_or_hold(self, indices, reason: str, decided: int, details: dict) -> tuple:
+        """Freezes `indices` with any held before them, in one rebuild; or holds them too.
+
+        Each freeze rebuilds (re-traces) the train function: seconds on a
+        large model, more than freezing a small module saves in the steps
+        left (ResNet50V2's stem, 3% of the FLOPs: its re-trace took 5-8 s).
+        With `HOLDS_UNPAID_FREEZES`, a decided freeze whose modules (with
+        those held before them) would save less than a rebuild before the
+        end is held: the modules go on training, the policy goes on to the
+        next module, and the held ones freeze with the next decided freeze
+        that makes the rebuild pay. Returns the modules frozen.
+        """
+        group = (tuple(indices), reason, decided, dict(details))
+        if self.HOLDS_UNPAID_FREEZES and not self._rebuild_repays([*self._held, group]):
+            self._held.append(group)
+            if self.verbose:
+                print(
+                    f"{type(self).__name__}: module(s) {list(indices)} converged at step {decided} (epoch "
+                    f"{self._epoch}); the freeze is held until, with the next, it repays a train-function rebuild.",
+                    flush=True,
+                )
+            return ()
+        groups, self._held = [*self._held, group], []
+        return self._freeze(groups)
+
+    def _rebuild_repays(self, groups) -> bool:
+        """Whether freezing `groups`' modules now saves more than a train-function rebuild before the end.
+
+        True where it cannot be estimated (no budget, unknown FLOPs, length or step time).
+        """
+        step_seconds, total = self._step_seconds(), self.total_steps
+        flops = [self.modules[i].flops for indices, *_ in groups for i in indices]
+        all_flops = sum(m.flops or 0.0 for m in self.modules)
+        if self.overhead_budget is None or not step_seconds or total is None or None in flops or not all_flops:
+            return True
+        rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
+        return freeze_saving_seconds(sum(flops) / all_flops, step_seconds, total - self._step) > rebuild
 
     # ---------------------------------------------------------------- freezing
 
-    def _freeze(self, indices, reason: str, **details) -> tuple:
-        """Freezes `indices` (front to back); returns the modules frozen.
+    def _freeze(self, groups) -> tuple:
+        """Freezes the modules of `groups`, `(indices, reason, decided step, details)` front to back, in one rebuild.
+
+        Returns the modules frozen.
 
         A frozen BatchNormalization normalizes with its moving statistics
         instead of the batch's. Early in training those still lag behind (a
@@ -554,11 +614,16 @@ class FreezingCallback(keras.callbacks.Callback):
         how far they were (`batch_norm_drift`) is recorded with the event.
         """
         self._one_off_work = True  # a freeze is no estimate of the next evaluations' cost
+        indices = [i for group in groups for i in group[0]]
         drifts = {i: self._refresh_batch_norm(i) if self.refresh_batch_norm else None for i in indices}
         changed = self.engine.freeze(indices)
-        for i in changed:
-            extra = {} if drifts[i] is None else {"batch_norm_drift": drifts[i]}
-            self._record("freeze", (i,), reason, {**details, **extra})
+        for group_indices, reason, decided, details in groups:
+            if decided != self._step:  # held (a deferred freeze has it already)
+                details = {**details, "decided_step": decided}
+            for i in group_indices:
+                if i in changed:
+                    extra = {} if drifts[i] is None else {"batch_norm_drift": drifts[i]}
+                    self._record("freeze", (i,), reason, {**details, **extra})
         return changed
 
     def _refresh_batch_norm(self, index: int) -> float | None:
@@ -787,6 +852,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "skipped_evaluations": self.skipped_evaluations,
             "evaluation_stopped": self.evaluation_stopped,
             "frozen_flops_steps": self._frozen_flops_steps,
+            "held": [[list(indices), reason, decided, details] for indices, reason, decided, details in self._held],
             "extra": self._extra_state(),
         }
 
@@ -847,7 +913,9 @@ class FreezingCallback(keras.callbacks.Callback):
         self._frozen_flops_steps = float(snap["frozen_flops_steps"])
         self._load_extra_state(snap.get("extra", {}))
         self._next_eval = self._step + self._eval_every
-        self.engine.freeze_prefix(self.policy.num_frozen)
+        self._held = [(tuple(indices), reason, decided, details) for indices, reason, decided, details in snap.get("held", [])]
+        # The policy counts the held modules as frozen; they train until they freeze.
+        self.engine.freeze_prefix(self.policy.num_frozen - sum(len(group[0]) for group in self._held))
         self._after_restore()
         if self.verbose:
             print(
@@ -891,7 +959,9 @@ class FreezingCallback(keras.callbacks.Callback):
         (averaged over all training steps) and
         `final_backward_flops_skipped_fraction`; `overhead_fraction` (share of
         fit's wall time the training thread spent in this callback) and the
-        seconds behind it; `train_function_rebuilds`; `status`
+        seconds behind it; `train_function_rebuilds` and `rebuild_seconds`
+        (the first one timed); `held_modules` (converged, their freeze held
+        until it repays a rebuild, see `_freeze_or_hold`); `status`
         (`"not started"`, `"active"` or `"disabled"`) and `disabled_reason`;
         `eval_every`, `evaluations`, `skipped_evaluations`. Works at any time,
         before `fit` too.
@@ -943,6 +1013,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "evaluations": self.evaluations,
             "evaluation_seconds": self.evaluation_seconds,
             "rebuild_seconds": self._rebuild_seconds,
+            "held_modules": [i for indices, *_ in self._held for i in indices],
             "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
