@@ -913,7 +913,7 @@ class FreezingCallback(keras.callbacks.Callback):
         self._frozen_flops_steps = float(snap["frozen_flops_steps"])
         self._load_extra_state(snap.get("extra", {}))
         self._next_eval = self._step + self._eval_every
-        self._held = [(tuple(indices), reason, decided, details) for indices, reason, decided, details in snap.get("held", [])]
+        self._held = [(tuple(group[0]), *group[1:]) for group in snap.get("held", [])]
         # The policy counts the held modules as frozen; they train until they freeze.
         self.engine.freeze_prefix(self.policy.num_frozen - sum(len(group[0]) for group in self._held))
         self._after_restore()
