@@ -300,10 +300,10 @@ def test_a_held_freeze_counts_in_the_stop_rule_and_is_saved_with_the_state(tmp_p
     callback.modules = [type("M", (), {"flops": f, "index": i})() for i, f in enumerate([1.0, 3.0, 4.0, 2.0])]
     callback.policy = _FreezesAtEvaluations(4)
     callback.policy.num_frozen = 1
-    callback._held = [((0,), "evaluation 1", 4, {})]
+    callback._held = [((0,), "evaluation 1", {"decided_step": 4})]
     # Module 0 is held: it freezes with the candidate (module 1), so their shares count together.
     assert callback._candidate_flops_shares() == [0.4, 0.4]
-    assert callback._snapshot()["held"] == [[[0], "evaluation 1", 4, {}]]
+    assert callback._snapshot()["held"] == [[[0], "evaluation 1", {"decided_step": 4}]]
 
 
 def test_overhead_budget_is_validated():

@@ -254,8 +254,7 @@ class EgeriaCallback(FreezingCallback):
             f"could freeze at step {earliest} at the soonest of {total}: too late to repay it and the "
             f"reference build (about {build:.2f} s)"
         )
-        if self.verbose:
-            print(f"EgeriaCallback: {self.evaluation_stopped}.", flush=True)
+        self._say(f"{self.evaluation_stopped}.")
         return False
 
     def _rebuild_stand_in(self) -> float:

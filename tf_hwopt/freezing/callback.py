@@ -278,7 +278,7 @@ class FreezingCallback(keras.callbacks.Callback):
         # Freezes decided during this epoch, applied at its end (`freeze_at`).
         self._pending_freezes: list[tuple] = []
         # Freezes decided but held: alone they would not repay their rebuild
-        # (`_freeze_or_hold`). (indices, reason, decided step, details).
+        # (`_freeze_or_hold`). (indices, reason, details with `decided_step`).
         self._held: list[tuple] = []
 
     # ----------------------------------------------------------- subclass API
@@ -445,7 +445,7 @@ class FreezingCallback(keras.callbacks.Callback):
             return  # FLOPs unknown: no estimate, evaluation goes on
         # Measured costs only: a rebuild counts once one has been timed, and
         # until then the stand-in measured in its place (`_rebuild_stand_in`).
-        rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
+        rebuild = self._rebuild_estimate()
         if self._repays(earliest, interval, cost, shares, step_seconds, rebuild):
             return
         module = self.policy.num_frozen
@@ -457,8 +457,16 @@ class FreezingCallback(keras.callbacks.Callback):
             f"{math.ceil((earliest - self._step) / interval)} evaluation(s) ({cost:.3f} s each) and the "
             f"train-function rebuilds ({rebuild:.2f} s each) they need"
         )
+        self._say(f"{self.evaluation_stopped}.")
+
+    def _say(self, message: str) -> None:
+        """Prints `message` after the callback's name when `verbose`."""
         if self.verbose:
-            print(f"{type(self).__name__}: {self.evaluation_stopped}.", flush=True)
+            print(f"{type(self).__name__}: {message}", flush=True)
+
+    def _rebuild_estimate(self) -> float:
+        """Seconds a train-function rebuild costs: the one timed, else the stand-in."""
+        return self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
 
     def _rebuild_stand_in(self) -> float:
         """Seconds a train-function rebuild is taken to cost before one has been timed.
@@ -478,7 +486,7 @@ class FreezingCallback(keras.callbacks.Callback):
         """FLOPs shares of the modules that may still freeze, front to back (None if unknown)."""
         total = sum(m.flops or 0.0 for m in self.modules)
         candidates = self.modules[self.policy.num_frozen : self.policy.max_frozen]
-        held = [self.modules[i] for indices, *_ in self._held for i in indices]
+        held = [self.modules[i] for i in self._held_modules]
         if not total or not candidates or any(m.flops is None for m in candidates + held):
             return None
         shares = [m.flops / total for m in candidates]
@@ -539,7 +547,7 @@ class FreezingCallback(keras.callbacks.Callback):
             if self._defers_to_epoch_end():
                 self._pending_freezes.append((tuple(decision.freeze), decision.reason, self._step, details))
             else:
-                self._freeze_or_hold(decision.freeze, decision.reason, self._step, details)
+                self._freeze_or_hold(decision.freeze, decision.reason, details)
 
     def _defers_to_epoch_end(self) -> bool:
         """Whether one-off work (a freeze, a subclass's build) decided now waits for the epoch end.
@@ -556,9 +564,13 @@ class FreezingCallback(keras.callbacks.Callback):
     def _apply_pending_freezes(self) -> None:
         pending, self._pending_freezes = self._pending_freezes, []
         for indices, reason, decided, details in pending:
-            self._freeze_or_hold(indices, reason, decided, {**details, "decided_step": decided})
+            self._freeze_or_hold(indices, reason, {**details, "decided_step": decided})
 
-    def _freeze_or_hold(self, indices, reason: str, decided: int, details: dict) -> tuple:
+    @property
+    def _held_modules(self) -> list[int]:
+        return [i for indices, *_ in self._held for i in indices]
+
+    def _freeze_or_hold(self, indices, reason: str, details: dict) -> tuple:
         """Freezes `indices` with any held before them, in one rebuild; or holds them too.
 
         Each freeze rebuilds (re-traces) the train function: seconds on a
@@ -568,17 +580,17 @@ class FreezingCallback(keras.callbacks.Callback):
         those held before them) would save less than a rebuild before the
         end is held: the modules go on training, the policy goes on to the
         next module, and the held ones freeze with the next decided freeze
-        that makes the rebuild pay. Returns the modules frozen.
+        that makes the rebuild pay (their events carry the `decided_step`).
+        Returns the modules frozen.
         """
-        group = (tuple(indices), reason, decided, dict(details))
+        group = (tuple(indices), reason, dict(details))
         if self.HOLDS_UNPAID_FREEZES and not self._rebuild_repays([*self._held, group]):
+            group[2].setdefault("decided_step", self._step)
             self._held.append(group)
-            if self.verbose:
-                print(
-                    f"{type(self).__name__}: module(s) {list(indices)} converged at step {decided} (epoch "
-                    f"{self._epoch}); the freeze is held until, with the next, it repays a train-function rebuild.",
-                    flush=True,
-                )
+            self._say(
+                f"module(s) {list(indices)} converged at step {group[2]['decided_step']} (epoch {self._epoch}); "
+                "the freeze is held until, with the next, it repays a train-function rebuild."
+            )
             return ()
         groups, self._held = [*self._held, group], []
         return self._freeze(groups)
@@ -593,13 +605,12 @@ class FreezingCallback(keras.callbacks.Callback):
         all_flops = sum(m.flops or 0.0 for m in self.modules)
         if self.overhead_budget is None or not step_seconds or total is None or None in flops or not all_flops:
             return True
-        rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
-        return freeze_saving_seconds(sum(flops) / all_flops, step_seconds, total - self._step) > rebuild
+        return freeze_saving_seconds(sum(flops) / all_flops, step_seconds, total - self._step) > self._rebuild_estimate()
 
     # ---------------------------------------------------------------- freezing
 
     def _freeze(self, groups) -> tuple:
-        """Freezes the modules of `groups`, `(indices, reason, decided step, details)` front to back, in one rebuild.
+        """Freezes the modules of `groups`, `(indices, reason, details)` front to back, in one rebuild.
 
         Returns the modules frozen.
 
@@ -617,9 +628,7 @@ class FreezingCallback(keras.callbacks.Callback):
         indices = [i for group in groups for i in group[0]]
         drifts = {i: self._refresh_batch_norm(i) if self.refresh_batch_norm else None for i in indices}
         changed = self.engine.freeze(indices)
-        for group_indices, reason, decided, details in groups:
-            if decided != self._step:  # held (a deferred freeze has it already)
-                details = {**details, "decided_step": decided}
+        for group_indices, reason, details in groups:
             for i in group_indices:
                 if i in changed:
                     extra = {} if drifts[i] is None else {"batch_norm_drift": drifts[i]}
@@ -664,14 +673,9 @@ class FreezingCallback(keras.callbacks.Callback):
                 **details,
             }
             self.events.append(event)
-            if self.verbose:
-                # Same epoch number as `events` and Keras's logs (0-based),
-                # on a line of its own after the progress bar's.
-                print(
-                    f"{type(self).__name__}: {kind} module {i} ({self.modules[i].name}) at step "
-                    f"{self._step} (epoch {self._epoch}): {reason}",
-                    flush=True,
-                )
+            # Same epoch number as `events` and Keras's logs (0-based),
+            # on a line of its own after the progress bar's.
+            self._say(f"{kind} module {i} ({self.modules[i].name}) at step {self._step} (epoch {self._epoch}): {reason}")
 
     # ------------------------------------------------------------ Keras hooks
 
@@ -852,7 +856,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "skipped_evaluations": self.skipped_evaluations,
             "evaluation_stopped": self.evaluation_stopped,
             "frozen_flops_steps": self._frozen_flops_steps,
-            "held": [[list(indices), reason, decided, details] for indices, reason, decided, details in self._held],
+            "held": [[list(indices), reason, details] for indices, reason, details in self._held],
             "extra": self._extra_state(),
         }
 
@@ -915,13 +919,9 @@ class FreezingCallback(keras.callbacks.Callback):
         self._next_eval = self._step + self._eval_every
         self._held = [(tuple(group[0]), *group[1:]) for group in snap.get("held", [])]
         # The policy counts the held modules as frozen; they train until they freeze.
-        self.engine.freeze_prefix(self.policy.num_frozen - sum(len(group[0]) for group in self._held))
+        self.engine.freeze_prefix(self.policy.num_frozen - len(self._held_modules))
         self._after_restore()
-        if self.verbose:
-            print(
-                f"{type(self).__name__}: resumed at epoch {epoch + 1} with {self.policy.num_frozen} frozen module(s).",
-                flush=True,
-            )
+        self._say(f"resumed at epoch {epoch + 1} with {self.policy.num_frozen} frozen module(s).")
 
     # ----------------------------------------------------------------- report
 
@@ -1013,7 +1013,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "evaluations": self.evaluations,
             "evaluation_seconds": self.evaluation_seconds,
             "rebuild_seconds": self._rebuild_seconds,
-            "held_modules": [i for indices, *_ in self._held for i in indices],
+            "held_modules": self._held_modules,
             "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
