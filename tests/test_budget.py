@@ -14,6 +14,8 @@ from tf_hwopt.freezing.budget import (
     BACKWARD_SHARE,
     best_case_saving_seconds,
     freeze_saving_seconds,
+    releases_held_freezes,
+    saving_scale,
     stretched_interval,
     worth_evaluating,
 )
@@ -41,6 +43,37 @@ def test_freeze_saving_is_the_backward_share_of_the_module_flops():
     assert freeze_saving_seconds(0.3, 0.1, 1000) == pytest.approx(BACKWARD_SHARE * 0.3 * 100.0)
     assert freeze_saving_seconds(0.3, 0.1, -5) == 0.0
     assert freeze_saving_seconds(0.0, 0.1, 1000) == 0.0
+
+
+def _held_release(held, step, next_step, rebuild=10.0):
+    return releases_held_freezes(
+        held, step=step, step_seconds=0.4, total_steps=900, rebuild_seconds=rebuild, next_freeze_step=next_step
+    )
+
+
+def test_held_freezes_take_effect_when_holding_costs_a_rebuild():
+    # Saving 2/3 x share x 0.4 s per step; a rebuild costs 10 s.
+    stem = [(0.03, 100)]
+    assert not _held_release(stem, 200, next_step=223)  # forgone 0.8 s, 0.2 s more until the next can join
+    assert _held_release(stem, 200, next_step=None, rebuild=5.0)  # nothing can join: at once (7.0 s > 5 s to the end)
+    assert not _held_release(stem, 200, next_step=None)  # ... unless it cannot repay the rebuild alone (7.0 s)
+    assert not _held_release(stem, 200, next_step=950)  # the next comes after the end: as alone
+    # Ski rental: released once the saving forgone since each was decided reaches a rebuild.
+    two = [(0.03, 100), (0.3, 300)]
+    forgone = lambda step: sum(freeze_saving_seconds(s, 0.4, step - d) for s, d in two)  # noqa: E731
+    release = next(step for step in range(300, 900) if _held_release(two, step, next_step=step + 1))
+    assert forgone(release) >= 10.0 > forgone(release - 1)
+    # ... or when the soonest the next can join is a rebuild's worth away (3 epochs of 23 steps here).
+    assert _held_release([(0.6, 300)], 300, next_step=369)
+    assert not _held_release([(0.6, 300)], 300, next_step=323)
+
+
+def test_saving_scale_is_the_realized_share_of_the_estimate():
+    assert saving_scale(0.5, 0.4, 0.3) == pytest.approx(1.0)  # 20% realized of 2/3 x 30%
+    assert saving_scale(0.5, 0.45, 0.3) == pytest.approx(0.5)
+    assert saving_scale(0.5, 0.55, 0.3) == 0.0  # slower after the freeze: nothing realized
+    assert saving_scale(0.5, 0.1, 0.3) == 1.5  # forward skipped too: capped at all three passes
+    assert saving_scale(0.5, 0.45, 0.05) is None  # 3.3% estimated: below the noise of step times
 
 
 @pytest.mark.parametrize(
@@ -230,18 +263,25 @@ def test_no_budget_evaluates_on_schedule(mnist1d_small):
 
 
 class _FreezesAtEvaluations(FreezingPolicy):
-    """Freezes module 0 at the 1st evaluation and module 1 at the 3rd."""
+    """Freezes module 0 at the 1st evaluation and module 1 at the 3rd (or at the evaluations `at`)."""
+
+    def __init__(self, num_modules, at=(1, 3), **kwargs):
+        super().__init__(num_modules, **kwargs)
+        self.at = at
 
     def observe(self, step, values=(), learning_rate=None):
         self.evaluations += 1
-        if self.evaluations in (1, 3):
+        if self.evaluations in self.at:
             self.num_frozen += 1
             return Decision(freeze=(self.num_frozen - 1,), reason=f"evaluation {self.evaluations}")
         return Decision()
 
 
 class _SmallFrontFreezes(FreezingCallback):
-    """Free evaluations; a train-function rebuild costs what freezing module 0 and half of module 1 saves."""
+    """Free evaluations; a train-function rebuild costs what freezing module 0 and half of module 1 saves.
+
+    The policy settles after module 1: nothing can join a freeze held then.
+    """
 
     def __init__(self, holds: bool, **kwargs):
         super().__init__(freeze_at="step", **kwargs)
@@ -249,7 +289,7 @@ class _SmallFrontFreezes(FreezingCallback):
         self.notified = []
 
     def _make_policy(self):
-        return _FreezesAtEvaluations(len(self.modules))
+        return _FreezesAtEvaluations(len(self.modules), max_frozen_fraction=2 / len(self.modules))
 
     def _setup(self, first_fit):
         self.engine.listeners.append(
@@ -283,7 +323,7 @@ def test_a_freeze_that_cannot_repay_its_rebuild_is_held_until_the_next(mnist1d_s
     if not holds:  # the peers' behaviour: each decision at once, one rebuild each
         assert freezes == [((0,), first), ((1,), third)]
         return
-    # Module 0's freeze would not repay a rebuild: held, then frozen with module 1's, in one rebuild.
+    # Module 0's freeze would not repay a rebuild: held, then frozen with module 1's (the last), in one rebuild.
     assert freezes == [((0, 1), third)]
     assert events[0]["step"] == events[1]["step"] == third and events[0]["decided_step"] == first < third
     assert "decided_step" not in events[1]
@@ -293,6 +333,44 @@ def test_a_freeze_that_cannot_repay_its_rebuild_is_held_until_the_next(mnist1d_s
     at_freeze = callback.notified[0][3]
     assert any(not np.array_equal(a, b) for a, b in zip(callback.measured_front, at_freeze))
     assert all(np.array_equal(a, b) for a, b in zip(at_freeze, callback._front_weights()))
+
+
+class _StemFreezesAlone(_SmallFrontFreezes):
+    """Module 0 freezes at the 1st evaluation, nothing after; a rebuild costs module 0's saving over 10 steps."""
+
+    def _make_policy(self):
+        return _FreezesAtEvaluations(len(self.modules), at=(1,))
+
+    def _rebuild_stand_in(self):
+        share = self.modules[0].flops / sum(m.flops for m in self.modules)
+        return freeze_saving_seconds(share, self._step_seconds(), 10)
+
+
+def test_a_held_freeze_takes_effect_alone_once_holding_it_cost_a_rebuild(mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    callback = _StemFreezesAlone(True, eval_every=4, overhead_budget=0.9, verbose=0)
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=2, callbacks=[callback], verbose=0)
+    freezes = [(indices, step) for kind, indices, step, _ in callback.notified if kind == "freeze"]
+    steps = [entry["step"] for entry in callback.history]
+    # Decided at the 1st evaluation (step 4), nothing joins; forgone 8 steps' saving at the 3rd, 12 at the 4th (>= 10).
+    assert freezes == [((0,), steps[3])] and steps[3] - steps[0] == 12
+    assert callback.events[0]["decided_step"] == steps[0]
+
+
+def test_step_times_before_and_after_a_freeze_scale_the_saving_estimates():
+    callback = _SmallFrontFreezes(True, verbose=0)
+    callback._base_phase = [0.0, 0.0, 0]
+    callback._phase = [0.3, 0.0, 0]
+    for _ in range(20):
+        callback._base_phase[1] += 0.5
+        callback._base_phase[2] += 1
+    for _ in range(19):
+        callback._time_step(0.45, 1)
+    assert callback._saving_scale is None  # 19 steps timed: not yet
+    callback._time_step(0.45, 1)  # 10% faster of the 20% that 30% of the FLOPs should give
+    assert callback._saving_scale == pytest.approx(0.5)
+    assert callback._saving_shares([0.2, 0.4]) == pytest.approx([0.1, 0.2])
 
 
 def test_a_held_freeze_counts_in_the_stop_rule_and_is_saved_with_the_state(tmp_path):

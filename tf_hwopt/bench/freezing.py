@@ -259,7 +259,7 @@ def _run(workload: Workload, strategy: str, seed: int, verbose: int) -> dict:
         run["history"] = callback.history
     if summary and summary.get("status") != "not started":
         # What the freezes cost and why evaluation ended: the "why" behind the wall-time ratio.
-        for key in ("train_function_rebuilds", "rebuild_seconds", "held_modules", "evaluation_stopped",
+        for key in ("train_function_rebuilds", "rebuild_seconds", "held_modules", "saving_scale", "evaluation_stopped",
                     "overhead_seconds", "evaluations", "evaluation_seconds", "reference_build_seconds",
                     "reference_seconds", "reference_covered_modules"):
             run[key] = summary.get(key)

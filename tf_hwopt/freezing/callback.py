@@ -31,7 +31,12 @@ import tensorflow as tf
 from tf_hwopt import _internals
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt._io import write_json_atomic
-from tf_hwopt.freezing.budget import freeze_saving_seconds, stretched_interval, worth_evaluating
+from tf_hwopt.freezing.budget import (
+    releases_held_freezes,
+    saving_scale,
+    stretched_interval,
+    worth_evaluating,
+)
 from tf_hwopt.freezing.engine import FreezingEngine
 from tf_hwopt.freezing.modules import graph_kind, partition_modules
 from tf_hwopt.freezing.policy import Decision, FreezingPolicy
@@ -100,6 +105,9 @@ def timed(method):
 
 
 _STATE_VERSION = 1
+#: Steps timed with and without freezes before their ratio scales the saving estimates.
+_MIN_TIMED_STEPS = 20
+
 _FREEZE_AT = ("epoch_end", "step")
 _KEPT_SNAPSHOTS = 3
 
@@ -176,9 +184,9 @@ class FreezingCallback(keras.callbacks.Callback):
     TAG = "freezing"
     #: Whether the probe batch needs labels (`(x, y)`).
     LABELLED_PROBE = False
-    #: Whether a freeze that cannot repay the train-function rebuild it costs
-    #: waits (is held) until the next one, to take effect with it in one
-    #: rebuild (see `_freeze_or_hold`). Off for the peers, which reproduce
+    #: Whether a freeze that costs more to take effect alone (a train-function
+    #: rebuild) than to wait for the next one is held, to take effect with it
+    #: in one rebuild (see `_freeze_or_hold`). Off for the peers, which reproduce
     #: their published methods.
     HOLDS_UNPAID_FREEZES = False
 
@@ -253,6 +261,12 @@ class FreezingCallback(keras.callbacks.Callback):
         # the first step after one (None until then).
         self._rebuild_seconds: float | None = None
         self._rebuilds_seen = 0
+        # Timed steps of this fit, [frozen FLOPs share, seconds, steps]: with
+        # nothing frozen (`_base_phase`) and since the last rebuild (`_phase`).
+        self._base_phase: list | None = None
+        self._phase: list | None = None
+        # The share of the FLOPs estimate of a freeze's saving measured (`saving_scale`).
+        self._saving_scale: float | None = None
         # Set when the callback stepped aside (it cannot handle this model):
         # training goes on, nothing more is frozen.
         self.disabled_reason: str | None = None
@@ -277,8 +291,8 @@ class FreezingCallback(keras.callbacks.Callback):
         self._frozen_between_fits: list[int] = []
         # Freezes decided during this epoch, applied at its end (`freeze_at`).
         self._pending_freezes: list[tuple] = []
-        # Freezes decided but held: alone they would not repay their rebuild
-        # (`_freeze_or_hold`). (indices, reason, details with `decided_step`).
+        # Freezes decided but held, to share a rebuild with the next
+        # (`_freeze_or_hold`): (indices, reason, details with `decided_step`).
         self._held: list[tuple] = []
 
     # ----------------------------------------------------------- subclass API
@@ -401,6 +415,8 @@ class FreezingCallback(keras.callbacks.Callback):
             # Evaluations that traced or built something once are no estimate of the next ones.
             self._evaluation_costs = (self._evaluation_costs + [cost])[-3:]
         self._plan_next_evaluation()
+        if not self._defers_to_epoch_end():
+            self._release_held()
 
     def _step_seconds(self) -> float | None:
         """Seconds per training step in this fit, without our hooks and the first (tracing) step."""
@@ -446,7 +462,7 @@ class FreezingCallback(keras.callbacks.Callback):
         # Measured costs only: a rebuild counts once one has been timed, and
         # until then the stand-in measured in its place (`_rebuild_stand_in`).
         rebuild = self._rebuild_estimate()
-        if self._repays(earliest, interval, cost, shares, step_seconds, rebuild):
+        if self._repays(earliest, interval, cost, self._saving_shares(shares), step_seconds, rebuild):
             return
         module = self.policy.num_frozen
         self.evaluation_stopped = (
@@ -463,6 +479,34 @@ class FreezingCallback(keras.callbacks.Callback):
         """Prints `message` after the callback's name when `verbose`."""
         if self.verbose:
             print(f"{type(self).__name__}: {message}", flush=True)
+
+    def _start_phase(self) -> None:
+        """Starts timing steps at the engine's frozen FLOPs share (none timed if FLOPs are unknown)."""
+        share = self.engine.frozen_flops_fraction()
+        self._phase = None if share is None else [share, 0.0, 0]
+        if self._phase is not None and share == 0 and self._base_phase is None:
+            self._base_phase = self._phase
+
+    def _time_step(self, seconds: float, steps: int) -> None:
+        """Adds a timed step (from one batch end to the next, our hooks left out) to the phase.
+
+        Once `_MIN_TIMED_STEPS` steps are timed both with nothing frozen and
+        with the present freezes, `_saving_scale` is what they realized of
+        the FLOPs estimate (`saving_scale`; kept if too small to tell).
+        """
+        phase, base = self._phase, self._base_phase
+        phase[1] += seconds
+        phase[2] += steps
+        if phase is base or base is None or min(phase[2], base[2]) < _MIN_TIMED_STEPS:
+            return
+        scale = saving_scale(base[1] / base[2], phase[1] / phase[2], phase[0])
+        if scale is not None:
+            self._saving_scale = scale
+
+    def _saving_shares(self, shares: Sequence[float]) -> list[float]:
+        """FLOPs `shares` scaled by the measured `_saving_scale` (as they are until one is measured)."""
+        scale = 1.0 if self._saving_scale is None else self._saving_scale
+        return [scale * share for share in shares]
 
     def _rebuild_estimate(self) -> float:
         """Seconds a train-function rebuild costs: the one timed, else the stand-in."""
@@ -547,7 +591,7 @@ class FreezingCallback(keras.callbacks.Callback):
             if self._defers_to_epoch_end():
                 self._pending_freezes.append((tuple(decision.freeze), decision.reason, self._step, details))
             else:
-                self._freeze_or_hold(decision.freeze, decision.reason, details)
+                self._freeze_or_hold([(decision.freeze, decision.reason, details)])
 
     def _defers_to_epoch_end(self) -> bool:
         """Whether one-off work (a freeze, a subclass's build) decided now waits for the epoch end.
@@ -563,49 +607,84 @@ class FreezingCallback(keras.callbacks.Callback):
 
     def _apply_pending_freezes(self) -> None:
         pending, self._pending_freezes = self._pending_freezes, []
-        for indices, reason, decided, details in pending:
-            self._freeze_or_hold(indices, reason, {**details, "decided_step": decided})
+        if pending:
+            self._freeze_or_hold(
+                [(indices, reason, {**details, "decided_step": decided}) for indices, reason, decided, details in pending]
+            )
 
     @property
     def _held_modules(self) -> list[int]:
         return [i for indices, *_ in self._held for i in indices]
 
-    def _freeze_or_hold(self, indices, reason: str, details: dict) -> tuple:
-        """Freezes `indices` with any held before them, in one rebuild; or holds them too.
+    def _freeze_or_hold(self, groups) -> tuple:
+        """Freezes the modules of `groups`, `(indices, reason, details)`, now or with the next in one rebuild.
 
         Each freeze rebuilds (re-traces) the train function: seconds on a
-        large model, more than freezing a small module saves in the steps
-        left (ResNet50V2's stem, 3% of the FLOPs: its re-trace took 5-8 s).
-        With `HOLDS_UNPAID_FREEZES`, a decided freeze whose modules (with
-        those held before them) would save less than a rebuild before the
-        end is held: the modules go on training, the policy goes on to the
-        next module, and the held ones freeze with the next decided freeze
-        that makes the rebuild pay (their events carry the `decided_step`).
-        Returns the modules frozen.
+        large model, more than a small module saves in the steps it waits
+        for the next (ResNet50V2's stem, 3% of the FLOPs: its re-trace took
+        5-10 s). With `HOLDS_UNPAID_FREEZES`, a decided freeze joins those
+        held, and they take effect together when `_release_held` says so;
+        until then the modules go on training and the policy goes on to the
+        next module. The events of freezes that waited carry their
+        `decided_step`. Returns the modules frozen.
         """
-        group = (tuple(indices), reason, dict(details))
-        if self.HOLDS_UNPAID_FREEZES and not self._rebuild_repays([*self._held, group]):
-            group[2].setdefault("decided_step", self._step)
-            self._held.append(group)
+        groups = [(tuple(indices), reason, dict(details)) for indices, reason, details in groups]
+        if not self.HOLDS_UNPAID_FREEZES:
+            return self._freeze(groups)
+        for _, _, details in groups:
+            details.setdefault("decided_step", self._step)
+        self._held.extend(groups)
+        changed = self._release_held()
+        if not changed:
             self._say(
-                f"module(s) {list(indices)} converged at step {group[2]['decided_step']} (epoch {self._epoch}); "
-                "the freeze is held until, with the next, it repays a train-function rebuild."
+                f"module(s) {[i for indices, *_ in groups for i in indices]} converged (epoch {self._epoch}); "
+                "the freeze is held, to share a train-function rebuild with the next."
             )
-            return ()
-        groups, self._held = [*self._held, group], []
-        return self._freeze(groups)
+        return changed
 
-    def _rebuild_repays(self, groups) -> bool:
-        """Whether freezing `groups`' modules now saves more than a train-function rebuild before the end.
+    def _release_held(self) -> tuple:
+        """Freezes the held modules if `releases_held_freezes` says so; returns the modules frozen.
 
-        True where it cannot be estimated (no budget, unknown FLOPs, length or step time).
+        Checked when a freeze is decided and at each epoch end (with
+        `freeze_at="step"`, after each evaluation too). The next freeze can
+        come no sooner than the policy's earliest step, rounded up to an
+        epoch end when freezes wait for one, and never once the policy is
+        settled or evaluation stopped. Nothing is released where the saving
+        cannot be estimated (no budget, unknown FLOPs, length or step time)
+        but a freeze is then not held either: all are released at once.
         """
+        if not self._held:
+            return ()
         step_seconds, total = self._step_seconds(), self.total_steps
-        flops = [self.modules[i].flops for indices, *_ in groups for i in indices]
+        flops = [[self.modules[i].flops for i in indices] for indices, *_ in self._held]
         all_flops = sum(m.flops or 0.0 for m in self.modules)
-        if self.overhead_budget is None or not step_seconds or total is None or None in flops or not all_flops:
-            return True
-        return freeze_saving_seconds(sum(flops) / all_flops, step_seconds, total - self._step) > self._rebuild_estimate()
+        if self.overhead_budget is None or not step_seconds or total is None or not all_flops or any(
+            None in f for f in flops
+        ):
+            released = True
+        else:
+            next_step = None
+            if not (self.policy.settled or self.evaluation_stopped):
+                next_step = self.policy.earliest_freeze_step(self._step, self._interval or self._eval_every)
+            spe = self.steps_per_epoch
+            if next_step is not None and spe and self.freeze_at == "epoch_end":
+                next_step = self._step + spe * max(1, math.ceil((next_step - self._step) / spe))
+            shares = self._saving_shares([sum(f) / all_flops for f in flops])
+            released = releases_held_freezes(
+                [(share, details["decided_step"]) for share, (_, _, details) in zip(shares, self._held)],
+                step=self._step,
+                step_seconds=step_seconds,
+                total_steps=total,
+                rebuild_seconds=self._rebuild_estimate(),
+                next_freeze_step=next_step,
+            )
+        if not released:
+            return ()
+        groups, self._held = self._held, []
+        for _, _, details in groups:
+            if details["decided_step"] == self._step:
+                del details["decided_step"]  # it did not wait
+        return self._freeze(groups)
 
     # ---------------------------------------------------------------- freezing
 
@@ -690,6 +769,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "first_steps": 0,
         }
         self._final = None
+        self._phase = self._base_phase = None
         if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
         if self.module_names is None and graph_kind(self.model) == "subclassed":
@@ -780,16 +860,21 @@ class FreezingCallback(keras.callbacks.Callback):
         clock = self._fit_clock
         clock["steps"] += done
         now = time.perf_counter()
+        rebuilt = self.engine is not None and self.engine.rebuilds > self._rebuilds_seen
         if clock["first_step"] is None:
             # The first call of the train function: Keras traces it (left out of the step time).
             clock["first_step"] = now - clock["start"] - (self._overhead_seconds - clock["overhead"])
             clock["first_steps"] = done
-        elif self.engine is not None and self.engine.rebuilds > self._rebuilds_seen and clock.get("last"):
+        elif rebuilt and clock.get("last"):
             # The step after a freeze ran the rebuilt (re-traced) train function.
             step_seconds = self._step_seconds() or 0.0
             self._rebuild_seconds = max(0.0, now - clock["last"] - done * step_seconds)
+        elif clock.get("last") and self._phase is not None:
+            self._time_step(now - clock["last"], done)
         if self.engine is not None:
             self._rebuilds_seen = self.engine.rebuilds
+            if rebuilt or self._phase is None:
+                self._start_phase()
         if self._setup_pending and self.disabled_reason is None:
             self._start()
         if self.engine is None:
@@ -815,6 +900,7 @@ class FreezingCallback(keras.callbacks.Callback):
             if epochs is None or epoch + 1 < epochs:
                 try:
                     self._apply_pending_freezes()
+                    self._release_held()
                     self._epoch_end_work()
                 except Exception as err:  # noqa: BLE001 - a failure of ours never ends fit
                     self._disable(f"{type(err).__name__} at the end of epoch {epoch}: {_first_line(err)}")
@@ -961,8 +1047,10 @@ class FreezingCallback(keras.callbacks.Callback):
         fit's wall time the training thread spent in this callback) and the
         seconds behind it; `train_function_rebuilds` and `rebuild_seconds`
         (the first one timed); `held_modules` (converged, their freeze held
-        until it repays a rebuild, see `_freeze_or_hold`); `status`
-        (`"not started"`, `"active"` or `"disabled"`) and `disabled_reason`;
+        to share a rebuild with the next, see `_freeze_or_hold`);
+        `saving_scale` (the share of the FLOPs estimate of the saving that
+        the steps timed after a freeze realized; None until measured);
+        `status` (`"not started"`, `"active"` or `"disabled"`) and `disabled_reason`;
         `eval_every`, `evaluations`, `skipped_evaluations`. Works at any time,
         before `fit` too.
         """
@@ -1014,6 +1102,7 @@ class FreezingCallback(keras.callbacks.Callback):
             "evaluation_seconds": self.evaluation_seconds,
             "rebuild_seconds": self._rebuild_seconds,
             "held_modules": self._held_modules,
+            "saving_scale": self._saving_scale,
             "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
