@@ -649,9 +649,8 @@ class FreezingCallback(keras.callbacks.Callback):
         `freeze_at="step"`, after each evaluation too). The next freeze can
         come no sooner than the policy's earliest step, rounded up to an
         epoch end when freezes wait for one, and never once the policy is
-        settled or evaluation stopped. Nothing is released where the saving
-        cannot be estimated (no budget, unknown FLOPs, length or step time)
-        but a freeze is then not held either: all are released at once.
+        settled or evaluation stopped. Where the saving cannot be estimated
+        (no budget, unknown FLOPs, length or step time), nothing is held.
         """
         if not self._held:
             return ()
