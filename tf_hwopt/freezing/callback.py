@@ -439,6 +439,7 @@ class FreezingCallback(keras.callbacks.Callback):
             evaluation_seconds=cost,
             freeze_seconds=freeze_seconds,
             setup_seconds=setup_seconds,
+            shared_rebuilds=self.HOLDS_UNPAID_FREEZES,  # held freezes take effect together
         )
 
     def _plan_next_evaluation(self) -> None:
