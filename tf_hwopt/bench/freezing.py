@@ -248,6 +248,7 @@ def _run(workload: Workload, strategy: str, seed: int, verbose: int) -> dict:
                 "epoch": e["epoch"],
                 "step": e["step"],
                 "wall_s": _event_wall(e["step"], steps_per_epoch, clock.wall),
+                **({"decided_step": e["decided_step"]} if "decided_step" in e else {}),
             }
             for e in (summary["events"] if summary else [])
         ],
