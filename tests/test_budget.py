@@ -102,6 +102,41 @@ def test_worth_evaluating(share, step, earliest, eval_s, freeze_s, expected):
     )
 
 
+def _brute_force_best_case(shares, step_seconds, total_steps, earliest, interval, rebuild):
+    """Every way of freezing a prefix of the modules in consecutive groups, each when its last can."""
+    import itertools
+
+    best = 0.0
+    for count in range(1, len(shares) + 1):
+        if earliest + (count - 1) * interval >= total_steps:
+            break
+        for cuts in itertools.product([False, True], repeat=count - 1):
+            ends = [j for j, cut in enumerate(cuts) if cut] + [count - 1]
+            saving, start = 0.0, 0
+            for end in ends:
+                left = total_steps - (earliest + end * interval)
+                saving += sum(freeze_saving_seconds(s, step_seconds, left) for s in shares[start : end + 1]) - rebuild
+                start = end + 1
+            best = max(best, saving)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_case_with_shared_rebuilds_is_the_best_grouping(seed):
+    rng = np.random.default_rng(seed)
+    shares = list(rng.dirichlet(np.ones(7)) * 0.8)
+    kw = dict(step_seconds=0.4, total_steps=920, earliest_freeze_step=400, interval=40)
+    for rebuild in (0.0, 3.0, 8.0, 30.0):
+        grouped = best_case_saving_seconds(shares, freeze_seconds=rebuild, shared_rebuilds=True, **kw)
+        one_each = best_case_saving_seconds(shares, freeze_seconds=rebuild, **kw)
+        expected = _brute_force_best_case(shares, 0.4, 920, 400, 40, rebuild)
+        assert grouped == pytest.approx(expected)
+        assert grouped >= one_each - 1e-9
+    # Small modules that cannot repay a rebuild each may repay one together.
+    assert best_case_saving_seconds([0.04] * 10, freeze_seconds=8.0, **kw) == 0.0
+    assert best_case_saving_seconds([0.04] * 10, freeze_seconds=8.0, shared_rebuilds=True, **kw) > 0.0
+
+
 def test_worth_evaluating_counts_setup_still_to_pay():
     """A one-off cost not paid yet (Egeria's reference build) must be repaid too; 0 once it is sunk."""
     kwargs = dict(flops_shares=[0.2], step_seconds=0.1, step=100, total_steps=1000, earliest_freeze_step=180,

@@ -245,7 +245,10 @@ class EgeriaCallback(FreezingCallback):
         earliest = self.policy.earliest_freeze_step(self._step, interval)
         # The build is still to pay, and each freeze's rebuild traces a graph
         # of the model as the build does: the estimate stands in for both.
-        if self._repays(earliest, interval, cost, shares, step_seconds, freeze_seconds=build, setup_seconds=build):
+        # Here, before anything is paid, one rebuild per freeze: the more
+        # cautious best case (the stop rule after the build lets held freezes share).
+        if self._repays(earliest, interval, cost, shares, step_seconds, freeze_seconds=build, setup_seconds=build,
+                        shared_rebuilds=False):
             return True
         self.evaluation_stopped = (
             f"stepped back at step {self._step}, before building the reference: an evaluation would cost "

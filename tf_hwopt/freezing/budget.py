@@ -78,30 +78,46 @@ def best_case_saving_seconds(
     earliest_freeze_step: int,
     interval: int,
     freeze_seconds: float = 0.0,
+    shared_rebuilds: bool = False,
 ) -> float:
     """The most the freezes still possible can save, net of their train-function rebuilds.
 
     Freezing goes front to back: `flops_shares` are the shares of the
     modules that may still freeze, the candidate first. Best case, the
-    candidate freezes at `earliest_freeze_step` and each next one an
+    candidate can freeze at `earliest_freeze_step` and each next one an
     `interval` later, all staying frozen to `total_steps`; each freeze costs
     `freeze_seconds`. Freezing the candidate may pay only through the ones
     behind it (a stem with 1% of the FLOPs opens the way to a block with
     30%), so the best prefix of freezes counts, not the candidate alone.
+    With `shared_rebuilds` (freezes held to take effect together, as
+    Egeria's are), consecutive modules may also freeze as one group, when
+    the last of them can, for one rebuild: the best grouping counts.
 
     Example:
     >>> round(best_case_saving_seconds([0.01, 0.3], step_seconds=0.1, total_steps=1000,
     ...                                earliest_freeze_step=100, interval=10, freeze_seconds=1.0), 2)
     16.4
+    >>> kw = dict(step_seconds=0.4, total_steps=920, earliest_freeze_step=400, interval=20, freeze_seconds=8.0)
+    >>> best_case_saving_seconds([0.04] * 10, **kw)  # ResNet50V2's blocks: none repays a rebuild alone
+    0.0
+    >>> round(best_case_saving_seconds([0.04] * 10, shared_rebuilds=True, **kw), 1)  # together they do
+    28.3
     """
-    best = total = 0.0
-    for j, share in enumerate(flops_shares):
-        at = earliest_freeze_step + j * interval
-        if at >= total_steps:
-            break
-        total += freeze_saving_seconds(share, step_seconds, total_steps - at) - freeze_seconds
-        best = max(best, total)
-    return best
+    ats = [earliest_freeze_step + j * interval for j in range(len(flops_shares))]
+    shares = [share for share, at in zip(flops_shares, ats) if at < total_steps]
+    # best[c]: the most the first c modules save, frozen in the best grouping
+    # (a group freezes when its last module can; each group costs a rebuild).
+    best = [0.0]
+    for j in range(1, len(shares) + 1):
+        left = total_steps - ats[j - 1]
+        starts = range(j) if shared_rebuilds else [j - 1]
+        best.append(
+            max(
+                best[i] + sum(freeze_saving_seconds(share, step_seconds, left) for share in shares[i:j]) - freeze_seconds
+                for i in starts
+            )
+        )
+    return max(best)
 
 
 def worth_evaluating(
@@ -115,6 +131,7 @@ def worth_evaluating(
     evaluation_seconds: float,
     freeze_seconds: float = 0.0,
     setup_seconds: float = 0.0,
+    shared_rebuilds: bool = False,
 ) -> bool:
     """Whether the freezes still possible can repay the evaluations the next one needs.
 
@@ -144,6 +161,7 @@ def worth_evaluating(
         earliest_freeze_step=earliest_freeze_step,
         interval=interval,
         freeze_seconds=freeze_seconds,
+        shared_rebuilds=shared_rebuilds,
     )
     return saving > evaluations * evaluation_seconds + setup_seconds
 

@@ -427,8 +427,11 @@ class FreezingCallback(keras.callbacks.Callback):
         return max(0.0, elapsed - clock["first_step"]) / (clock["steps"] - clock["first_steps"])
 
     def _repays(self, earliest, interval: int, cost: float, shares, step_seconds: float,
-                freeze_seconds: float = 0.0, setup_seconds: float = 0.0) -> bool:
-        """Whether freezes from step `earliest` on can still repay evaluations of `cost` every `interval` steps."""
+                freeze_seconds: float = 0.0, setup_seconds: float = 0.0, shared_rebuilds: bool | None = None) -> bool:
+        """Whether freezes from step `earliest` on can still repay evaluations of `cost` every `interval` steps.
+
+        Freezes share rebuilds where they are held to (`HOLDS_UNPAID_FREEZES`), unless `shared_rebuilds` says.
+        """
         return earliest is not None and worth_evaluating(
             flops_shares=shares,
             step_seconds=step_seconds,
@@ -439,6 +442,7 @@ class FreezingCallback(keras.callbacks.Callback):
             evaluation_seconds=cost,
             freeze_seconds=freeze_seconds,
             setup_seconds=setup_seconds,
+            shared_rebuilds=self.HOLDS_UNPAID_FREEZES if shared_rebuilds is None else shared_rebuilds,
         )
 
     def _plan_next_evaluation(self) -> None:
