@@ -25,8 +25,9 @@ ones, so freezing a module with share `s` of the forward FLOPs saves about
 `2/3 s` of a step (`BACKWARD_SHARE`). Forward skipping (`fit_with_cache`)
 saves more; the estimate stays the smaller, freezing-only one, so it errs
 on the side of stopping late rather than early. On a CPU, a model of many
-small operations (ResNet50V2 at 32x32) realizes about half of it: once a
-freeze has been timed, the callback scales its estimates by `saving_scale`.
+small operations (ResNet50V2 at 32x32) may realize less (0.5-1.2 of it,
+measured): once a freeze has been timed, the callback scales its
+estimates by `saving_scale`.
 """
 
 from __future__ import annotations
