@@ -395,11 +395,8 @@ def test_a_held_freeze_takes_effect_alone_once_holding_it_cost_a_rebuild(mnist1d
 
 def test_step_times_before_and_after_a_freeze_scale_the_saving_estimates():
     callback = _SmallFrontFreezes(True, verbose=0)
-    callback._base_phase = [0.0, 0.0, 0]
+    callback._base_phase = [0.0, 10.0, 20]  # 20 steps of 0.5 s with nothing frozen
     callback._phase = [0.3, 0.0, 0]
-    for _ in range(20):
-        callback._base_phase[1] += 0.5
-        callback._base_phase[2] += 1
     for _ in range(19):
         callback._time_step(0.45, 1)
     assert callback._saving_scale is None  # 19 steps timed: not yet

@@ -484,9 +484,8 @@ class FreezingCallback(keras.callbacks.Callback):
         if self.verbose:
             print(f"{type(self).__name__}: {message}", flush=True)
 
-    def _start_phase(self) -> None:
-        """Starts timing steps at the engine's frozen FLOPs share (none timed if FLOPs are unknown)."""
-        share = self.engine.frozen_flops_fraction()
+    def _start_phase(self, share: float | None) -> None:
+        """Starts timing steps at the frozen FLOPs `share` (none timed if FLOPs are unknown)."""
         self._phase = None if share is None else [share, 0.0, 0]
         if self._phase is not None and share == 0 and self._base_phase is None:
             self._base_phase = self._phase
@@ -876,8 +875,6 @@ class FreezingCallback(keras.callbacks.Callback):
             self._time_step(now - clock["last"], done)
         if self.engine is not None:
             self._rebuilds_seen = self.engine.rebuilds
-            if rebuilt or self._phase is None:
-                self._start_phase()
         if self._setup_pending and self.disabled_reason is None:
             self._start()
         if self.engine is None:
@@ -885,6 +882,8 @@ class FreezingCallback(keras.callbacks.Callback):
         share = self.engine.frozen_flops_fraction()
         if share is not None:
             self._frozen_flops_steps += share * done
+        if rebuilt or self._phase is None:
+            self._start_phase(share)
         if self.active:
             try:
                 self._after_step()
