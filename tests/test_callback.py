@@ -102,6 +102,16 @@ def test_one_off_work_waits_for_the_epoch_end(mnist1d_small):
     assert deferred.summary()["rebuild_seconds"] is not None
 
 
+def test_egeria_evaluates_every_eighth_of_an_epoch_by_default(mnist1d_small):
+    """The default window of 8 evaluations spans one epoch (a quarter-epoch interval made it two)."""
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    egeria = tf_hwopt.EgeriaCallback(overhead_budget=None, verbose=0)
+    model.fit(x[:512], y[:512], batch_size=32, epochs=1, callbacks=[egeria], verbose=0)  # 16 steps
+    assert egeria.summary()["eval_every"] == 2
+    assert egeria.evaluations == 8
+
+
 def test_freeze_at_is_checked():
     with pytest.raises(ValueError, match="freeze_at"):
         tf_hwopt.EgeriaCallback(freeze_at="batch")
