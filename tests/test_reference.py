@@ -103,6 +103,32 @@ def test_one_call_read_and_refresh_matches_a_read_and_a_snapshot_refresh(rng):
     snapshot.close()
 
 
+def test_one_call_read_and_refresh_of_the_int8_weights_clone_matches_the_snapshot_path(rng):
+    keras.utils.set_random_seed(6)
+    model = resnet1d(widths=(8, 8, 8), strides=(1, 2, 1), stem_width=8)
+    x = rng.rand(16, 40, 1).astype(np.float32)
+    layers = [m.output_layer for m in partition_modules(model)]
+    one_call = Reference(model, layers, x, asynchronous=False, mode="int8-weights")
+    snapshot = Reference(model, layers, x, asynchronous=True, mode="int8-weights")
+    assert one_call.path == "int8-weights"
+    for _ in range(2):
+        reads = one_call.read_and_refresh(model, (1, 2))
+        snapshot.submit_refresh(model, (1, 2))
+        for a, b in zip(reads, ActivationReader(model, layers[1:3])(x)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        for a, b in zip(one_call.activations(), snapshot.activations()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        for t, r in zip(reads, one_call.activations()):  # int8 weights: close to the float model, not a copy
+            assert 0 < np.linalg.norm(t - r) / np.linalg.norm(t) < 0.05
+        # The next refresh must follow the weights of then, not of the first call.
+        for v in model.trainable_weights:
+            v.assign(v.numpy() * 0.5 + 0.01)
+    # The clone covers every module: one function per last module read, each reading only up to it.
+    assert one_call.read_and_refresh(model, (3,)) is not None
+    assert len(one_call.compiled) == 2 and all(fn is not None for fn in one_call.compiled.values())
+    snapshot.close()
+
+
 def _dense_stack(share_second: bool):
     """Dense layers from the input (TFMOT ranges the input itself); optionally the first layer called twice."""
     inp = keras.Input((8,))

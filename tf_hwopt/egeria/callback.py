@@ -26,10 +26,11 @@ _LOOKAHEAD = 2
 # One evaluation (reference refresh, reads, SP losses) against one read of the
 # training model's prefix, measured on the benchmark workloads (evaluation
 # cost once traced / pre-flight read). With the one-call read and refresh of
-# the TFMOT path (2026-12-06): 11.8 ms / 5 ms = 2.4 on finetune-mnist1d; the
-# int8-weights clone (no one-call path): 3.8 on charlm. The higher one,
-# rounded up: a reference built and then not repaid costs 5-10% of a
-# fine-tuning run. (Before the one-call path: 7 to 10 on the MNIST-1D ResNet.)
+# the TFMOT path (2026-12-06): 11.8 ms / 5 ms = 2.4 on finetune-mnist1d
+# (3.4 with the SP losses, 2026-12-07); the int8-weights clone: 3.8 on charlm
+# before it had a one-call path, 2.0 with it (80 ms / 40 ms, 2026-12-07).
+# The higher one, rounded up: a reference built and then not repaid costs
+# 5-10% of a short run. (Before the one-call path: 7 to 10 on the MNIST-1D ResNet.)
 _EVALUATION_PER_READ = 4.0
 # Building the reference model (tf_keras rebuild, quantization, first trace)
 # against the first call of the training model's prefix reader (its trace and

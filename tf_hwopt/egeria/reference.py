@@ -85,6 +85,15 @@ def quantize_int8_per_channel(w: np.ndarray) -> np.ndarray:
     return (np.clip(np.round(w / scale), -127, 127) * scale).astype(w.dtype)
 
 
+def _quantize_int8_per_channel_tf(w):
+    """`quantize_int8_per_channel` in TensorFlow, inside a compiled function."""
+    if w.shape.rank is None or w.shape.rank < 2 or not w.dtype.is_floating:
+        return w
+    scale = tf.reduce_max(tf.abs(w), axis=list(range(w.shape.rank - 1)), keepdims=True) / 127.0
+    scale = tf.where(scale == 0, tf.ones_like(scale), scale)
+    return tf.clip_by_value(tf.round(w / scale), -127.0, 127.0) * scale
+
+
 # --------------------------------------------------------------------------
 # Keras 3 -> tf_keras rebuild
 # --------------------------------------------------------------------------
@@ -415,6 +424,10 @@ class _TfmotReference:
         acts = self._reader(x, training=False)
         return acts if isinstance(acts, list) else [acts]
 
+    def fused_extent(self, modules: Sequence[int]) -> int:
+        """The last module a one-call function reads: the whole quantized prefix (one function per prefix)."""
+        return self.covered
+
     def fused(self, model, output_layers: Sequence):
         """One compiled function reading `model` and refreshing the quantized prefix from its weights, or None.
 
@@ -430,7 +443,7 @@ class _TfmotReference:
         """
         if any(quantize for _, _, quantize in self._quantized_targets):
             return None
-        names, read_layers = self._calibration_layers, list(output_layers[: self.covered + 1])
+        names, read_layers = self._calibration_layers, list(output_layers)
         layer_names = [name for name in names if name is not None]
         if len(layer_names) < len(names) and len(model.inputs) != 1:
             return None  # a ranged input of several: the snapshot path picks it by name
@@ -539,6 +552,42 @@ class _CloneReference:
 
     def weight_indices(self) -> list[int]:
         return list(range(self._num_weights))
+
+    def fused_extent(self, modules: Sequence[int]) -> int:
+        """The last module a one-call function for `modules` reads: the last of them (the clone covers all)."""
+        return max(modules)
+
+    def fused(self, model, output_layers: Sequence):
+        """One compiled function reading `model` and refreshing the clone's prefix from its weights, or None.
+
+        `fn(probe_x) -> (reads, references)`: `output_layers`' outputs in the
+        training model and in the clone, after quantizing the weights of the
+        clone's prefix from the model's (per channel, as
+        `quantize_int8_per_channel`, variable to variable). What a snapshot of
+        every weight, `refresh` and a read of the training model compute, in
+        one call. None where either prefix is no sub-model.
+        """
+        with tf.device("/CPU:0"):
+            prefix = prefix_model(model, list(output_layers))
+            clone_prefix = prefix_model(self._clone, self._layers[: len(output_layers)])
+        if prefix is None or clone_prefix is None:
+            return None
+        position = {id(v): i for i, v in enumerate(self._clone.weights)}
+        try:
+            pairs = [(v, model.weights[position[id(v)]]) for v in clone_prefix.weights]
+        except KeyError:
+            return None  # a variable the clone's prefix does not hold in its weights: the snapshot path
+
+        def fused_fn(x):
+            reads = prefix(x, training=False)
+            for target, source in pairs:
+                target.assign(_quantize_int8_per_channel_tf(tf.cast(source.value, target.dtype)))
+            with tf.device("/CPU:0"):
+                refs = clone_prefix(x, training=False)
+            reads, refs = (r if isinstance(r, (list, tuple)) else [r] for r in (reads, refs))
+            return [tf.cast(r, tf.float32) for r in reads], [tf.cast(r, tf.float32) for r in refs]
+
+        return tf.function(fused_fn, autograph=False)
 
     def refresh(self, weights: dict, probe_x, modules: Sequence[int]) -> list[np.ndarray]:
         modules = tuple(modules)
@@ -737,14 +786,16 @@ class Reference:
         self.refreshed_modules = modules
         self._future = self._run(lambda: impl.refresh(weights, self._probe_x, modules))
 
-    def _fused(self, model):
-        """The one-call read and refresh of the current quantized prefix (built once per prefix), or None."""
-        if self._executor is not None or not hasattr(self._impl, "fused"):
+    def _fused(self, model, modules: tuple):
+        """The one-call read and refresh reading `modules` (built once per prefix it reads), or None."""
+        if self._executor is not None:
             return None
-        # The quantized prefix is rebuilt when it grows: a function per prefix.
-        key = (id(self._impl), self._impl.covered)
+        # A function per prefix: TFMOT's whole quantized prefix (rebuilt when
+        # it grows), the clone's up to the last module read.
+        extent = self._impl.fused_extent(modules)
+        key = (id(self._impl), extent)
         if key not in self.compiled:
-            self.compiled[key] = self._impl.fused(model, self._output_layers)
+            self.compiled[key] = self._impl.fused(model, self._output_layers[: extent + 1])
         return self.compiled[key]
 
     def read_and_refresh(self, model, modules: Sequence[int]) -> list[np.ndarray] | None:
@@ -752,14 +803,16 @@ class Reference:
 
         The same result as reading the training model and then calling
         `submit_refresh(model, modules)`, at less than half the cost (no
-        weight snapshot, one forward pass of the training model's prefix for
-        both). Only on the training thread (not `asynchronous`), on the TFMOT
-        path, for modules the quantized prefix covers already. Returns the
+        weight snapshot through the host; on the TFMOT path one forward pass
+        of the training model's prefix serves the read and the calibration).
+        Only on the training thread (not `asynchronous`), for modules the
+        reference covers already (TFMOT's quantized prefix; the int8-weights
+        clone covers every module). Returns the
         training model's activations (float32), or None where it does not
         apply: the caller then reads and refreshes the usual way.
         """
         modules = tuple(modules)
-        fn = self._fused(model) if max(modules) <= self._impl.covered else None
+        fn = self._fused(model, modules) if max(modules) <= self._impl.covered else None
         if fn is None:
             return None
         start = time.perf_counter()
