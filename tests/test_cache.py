@@ -84,6 +84,32 @@ def test_a_run_with_and_without_the_cache_ends_with_equal_weights(mnist1d_small)
     assert cached.count_params() == base.count_params() and all(layer.trainable for layer in cached.layers)
 
 
+def test_under_the_cache_a_freeze_counts_the_cache_rebuild(mnist1d_small):
+    """The holds and the stop rule count a freeze's cache rebuild: an epoch of the prefix's forward passes."""
+    x, y = mnist1d_small[0][:1024], mnist1d_small[1][:1024]
+    freezer = _freezeout(freeze_start=0.0, freeze_level=1.0)
+    seen = []
+
+    class Spy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            train_function = freezer._rebuild_seconds
+            if train_function is None:
+                train_function = freezer._rebuild_stand_in()
+            seen.append((freezer.rebuilds_cache, freezer._rebuild_estimate() - train_function,
+                         freezer._step_seconds(), freezer.policy.num_frozen))
+
+    fit_with_cache(compile_model(small_resnet()), x, y, epochs=2, batch_size=64, freezer=freezer, cache="memory",
+                   callbacks=[Spy()], verbose=0)
+    assert seen and all(flag for flag, *_ in seen) and not freezer.rebuilds_cache  # set while it trains only
+    total = sum(m.flops for m in freezer.modules)
+    for _, extra, step_seconds, frozen in seen[2:]:
+        share = sum(m.flops for m in freezer.modules[: frozen + 1]) / total
+        assert extra == pytest.approx(share * step_seconds * 16 / 3, rel=0.02)  # 16 steps of forward passes
+    fit_with_cache(compile_model(small_resnet()), x, y, epochs=1, batch_size=64, freezer=freezer, cache=None,
+                   callbacks=[Spy()], verbose=0)
+    assert not seen[-1][0] and seen[-1][1] == 0.0  # no cache: the train function's rebuild alone
+
+
 def test_a_further_freeze_runs_only_the_new_module_and_a_reopen_drops_the_cache_behind_it(mnist1d_small):
     x = mnist1d_small[0][:300]
     model = small_resnet()

@@ -38,6 +38,13 @@ _EVALUATION_PER_READ = 4.0
 # ResNet, 0.96 s / 0.28 s = 3.4x on charlm. The higher one: a build that
 # cannot be repaid costs 5-10% of a fine-tuning run (finetune-mnist1d).
 _BUILD_PER_TRACE = 15.0
+# The longest build (as the pre-flight estimates it) that runs mid-epoch when
+# one-off work waits for the epoch end (`freeze_at="epoch_end"`): pauses of
+# 1.5 s did not stall the epoch's tf.data iterator (0 of 4), pauses of 3.3 s
+# did (2 of 4; docs/egeria.md). Built at once, the reference's window fills
+# during the bootstrap, and front modules converged by then freeze an epoch
+# sooner (the reference of a small model takes about a second).
+_MID_EPOCH_BUILD_SECONDS = 1.5
 
 
 class EgeriaCallback(FreezingCallback):
@@ -181,6 +188,7 @@ class EgeriaCallback(FreezingCallback):
         # building the reference, or a refresh that must extend its prefix.
         self._build_pending = False
         self._refresh_pending = False
+        self._build_estimate: float | None = None  # the pre-flight's estimate of the reference's build
         self._refreshed_with_read = False
 
     # ------------------------------------------------------------------ setup
@@ -211,6 +219,7 @@ class EgeriaCallback(FreezingCallback):
     def _setup(self, first_fit: bool) -> None:
         self.probe  # noqa: B018 - drawn now: bad probe data is an error before training time is spent
         self._readers = {}
+        self._build_estimate = None  # measured again by this fit's pre-flight
 
     def _build_reference(self) -> bool:
         """Builds the reference model (at the first evaluation); False when Egeria stepped aside."""
@@ -251,7 +260,7 @@ class EgeriaCallback(FreezingCallback):
         reader = self._reader_for(modules)
         start = time.perf_counter()
         reader(self.probe)  # traced once
-        build = _BUILD_PER_TRACE * (time.perf_counter() - start)
+        build = self._build_estimate = _BUILD_PER_TRACE * (time.perf_counter() - start)
         start = time.perf_counter()
         reader(self.probe)
         cost = _EVALUATION_PER_READ * (time.perf_counter() - start)
@@ -311,7 +320,8 @@ class EgeriaCallback(FreezingCallback):
                 return None
             self._one_off_work = True
             if self._can_pay():
-                if self._defers_to_epoch_end():
+                short = self._build_estimate is not None and self._build_estimate <= _MID_EPOCH_BUILD_SECONDS
+                if self._defers_to_epoch_end() and not short:
                     self._build_pending = True
                 else:
                     self._build_reference()

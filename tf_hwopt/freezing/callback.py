@@ -32,6 +32,7 @@ from tf_hwopt import _internals
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt._io import write_json_atomic
 from tf_hwopt.freezing.budget import (
+    cache_rebuild_seconds,
     releases_held_freezes,
     saving_scale,
     stretched_interval,
@@ -261,6 +262,10 @@ class FreezingCallback(keras.callbacks.Callback):
         # the first step after one (None until then).
         self._rebuild_seconds: float | None = None
         self._rebuilds_seen = 0
+        # Set by `fit_with_cache` while it trains: each change of the frozen
+        # set also rebuilds the activation cache, which the holds and the
+        # stop rule count as part of the rebuild.
+        self.rebuilds_cache = False
         # Timed steps of this fit, [frozen FLOPs share, seconds, steps]: with
         # nothing frozen (`_base_phase`) and since the last rebuild (`_phase`).
         self._base_phase: list | None = None
@@ -512,8 +517,17 @@ class FreezingCallback(keras.callbacks.Callback):
         return [scale * share for share in shares]
 
     def _rebuild_estimate(self) -> float:
-        """Seconds a train-function rebuild costs: the one timed, else the stand-in."""
-        return self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
+        """Seconds the next freeze's rebuild costs: the train function's (the one timed, else the stand-in),
+        and under `fit_with_cache` the cache's (`cache_rebuild_seconds`, for the prefix up to the candidate)."""
+        rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
+        if not self.rebuilds_cache:
+            return rebuild
+        total, step_seconds = sum(m.flops or 0.0 for m in self.modules), self._step_seconds()
+        prefix = self.modules[: min(self.policy.num_frozen, self.policy.max_frozen - 1) + 1]
+        if not total or not step_seconds or not self.steps_per_epoch or any(m.flops is None for m in prefix):
+            return rebuild
+        share = sum(m.flops for m in prefix) / total
+        return rebuild + cache_rebuild_seconds(share, step_seconds, self.steps_per_epoch)
 
     def _rebuild_stand_in(self) -> float:
         """Seconds a train-function rebuild is taken to cost before one has been timed.

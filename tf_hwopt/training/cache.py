@@ -597,6 +597,8 @@ def fit_with_cache(
         batch_size=store.batch_size)
     history, phases = {}, []
     epoch, suffixes = 0, {}
+    if freezer is not None:
+        freezer.rebuilds_cache = mode is not None  # a freeze costs a cache rebuild too: its holds count it
     try:
         while epoch < epochs:
             level = freezer.frozen_prefix if freezer is not None else 0
@@ -637,6 +639,8 @@ def fit_with_cache(
                 break
             epoch = result.epoch[-1] + 1
     finally:
+        if freezer is not None:
+            freezer.rebuilds_cache = False
         summary = {"mode": mode, "dtype": cache_dtype, "build_seconds": store.build_seconds,
                    "builds": store.builds, "extensions": store.extensions,
                    "largest_bytes_estimate": largest}
