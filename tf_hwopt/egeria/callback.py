@@ -112,9 +112,10 @@ class EgeriaCallback(FreezingCallback):
             `FreezingCallback._freeze`).
         freeze_at: `"epoch_end"` (default): a freeze, the reference's build
             and a refresh that quantizes a longer prefix, decided during an
-            epoch, happen at its end (at once in the last epoch); `"step"`:
-            at once. Work that holds training up for seconds mid-epoch made
-            the next epoch start stall (docs/egeria.md).
+            epoch, happen at its end (at once in the last epoch, and a
+            reference whose build the pre-flight estimates at 1.5 s or less
+            at once); `"step"`: at once. Work that holds training up for
+            seconds mid-epoch made the next epoch start stall (docs/egeria.md).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your

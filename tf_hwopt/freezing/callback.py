@@ -522,11 +522,10 @@ class FreezingCallback(keras.callbacks.Callback):
         rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
         if not self.rebuilds_cache:
             return rebuild
-        total, step_seconds = sum(m.flops or 0.0 for m in self.modules), self._step_seconds()
-        prefix = self.modules[: min(self.policy.num_frozen, self.policy.max_frozen - 1) + 1]
-        if not total or not step_seconds or not self.steps_per_epoch or any(m.flops is None for m in prefix):
+        step_seconds = self._step_seconds()
+        share = self._flops_share(range(min(self.policy.num_frozen, self.policy.max_frozen - 1) + 1))
+        if share is None or not step_seconds or not self.steps_per_epoch:
             return rebuild
-        share = sum(m.flops for m in prefix) / total
         return rebuild + cache_rebuild_seconds(share, step_seconds, self.steps_per_epoch)
 
     def _rebuild_stand_in(self) -> float:
@@ -543,15 +542,21 @@ class FreezingCallback(keras.callbacks.Callback):
             return 0.0
         return max(0.0, clock["first_step"] - clock["first_steps"] * step_seconds) / 3.0
 
+    def _flops_share(self, indices) -> float | None:
+        """The share of the model's forward FLOPs in modules `indices` (None if unknown)."""
+        total = sum(m.flops or 0.0 for m in self.modules)
+        flops = [self.modules[i].flops for i in indices]
+        if not total or None in flops:
+            return None
+        return sum(flops) / total
+
     def _candidate_flops_shares(self) -> list[float] | None:
         """FLOPs shares of the modules that may still freeze, front to back (None if unknown)."""
-        total = sum(m.flops or 0.0 for m in self.modules)
-        candidates = self.modules[self.policy.num_frozen : self.policy.max_frozen]
-        held = [self.modules[i] for i in self._held_modules]
-        if not total or not candidates or any(m.flops is None for m in candidates + held):
+        shares = [self._flops_share([i]) for i in range(self.policy.num_frozen, self.policy.max_frozen)]
+        held = self._flops_share(self._held_modules)
+        if not shares or held is None or None in shares:
             return None
-        shares = [m.flops / total for m in candidates]
-        shares[0] += sum(m.flops for m in held) / total  # the held modules freeze with the candidate
+        shares[0] += held  # the held modules freeze with the candidate
         return shares
 
     def _evaluate(self) -> None:
@@ -672,20 +677,17 @@ class FreezingCallback(keras.callbacks.Callback):
         if not self._held:
             return ()
         step_seconds, total = self._step_seconds(), self.total_steps
-        flops = [[self.modules[i].flops for i in indices] for indices, *_ in self._held]
-        all_flops = sum(m.flops or 0.0 for m in self.modules)
-        if self.overhead_budget is None or not step_seconds or total is None or not all_flops or any(
-            None in f for f in flops
-        ):
+        shares = [self._flops_share(indices) for indices, *_ in self._held]
+        if self.overhead_budget is None or not step_seconds or total is None or None in shares:
             released = True
         else:
             next_step = None
             if not (self.policy.settled or self.evaluation_stopped):
                 next_step = self.policy.earliest_freeze_step(self._step, self._interval or self._eval_every)
             spe = self.steps_per_epoch
-            if next_step is not None and spe and self.freeze_at == "epoch_end":
+            if next_step is not None and self._defers_to_epoch_end():
                 next_step = self._step + spe * max(1, math.ceil((next_step - self._step) / spe))
-            shares = self._saving_shares([sum(f) / all_flops for f in flops])
+            shares = self._saving_shares(shares)
             released = releases_held_freezes(
                 [(share, details["decided_step"]) for share, (_, _, details) in zip(shares, self._held)],
                 step=self._step,
