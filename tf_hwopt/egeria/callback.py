@@ -318,6 +318,10 @@ class EgeriaCallback(FreezingCallback):
             # reference only if evaluating can pay (its first refresh follows),
             # at the epoch end if `freeze_at` says so (a build takes seconds).
             if self._build_pending:
+                # Nothing measured: this no-op is no estimate of an evaluation's
+                # cost (a zero would unstretch the interval and let the stop
+                # rule judge with a free evaluation and no build to repay).
+                self._one_off_work = True
                 return None
             self._one_off_work = True
             if self._can_pay():
