@@ -480,30 +480,39 @@ def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch,
         assert not stopped.startswith("stepped back") and egeria.reference is not None
 
 
-def test_evaluations_waiting_for_a_deferred_build_are_no_cost_estimate(mnist1d_small, monkeypatch):
-    """A reference too slow to build mid-epoch waits for the epoch end; the evaluations due
-    meanwhile measure nothing, so they give the stop rule no (zero) evaluation cost."""
+@pytest.mark.parametrize("short_build", [False, True])
+def test_a_short_build_is_done_at_once_and_a_deferred_one_gives_no_cost_estimate(
+    mnist1d_small, monkeypatch, short_build
+):
+    """A reference the pre-flight estimates at most `_MID_EPOCH_BUILD_SECONDS` to build is built
+    at once; a longer one waits for the epoch end, and the evaluations due meanwhile measure
+    nothing, so they give the stop rule no (zero) evaluation cost."""
     import tf_hwopt.egeria.callback as egeria_callback
 
-    monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", -1.0)  # every build waits
-    # A free build and free rebuilds, so that the pre-flight lets evaluation go on (as above).
+    # The estimate is 0 s (free build, as above); the threshold decides.
     monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", 0.0)
+    monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", 1.5 if short_build else -1.0)
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
     seen = []
 
-    class _AtFirstEpochEnd(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if epoch == 0:
-                seen.append((egeria.evaluations, list(egeria._evaluation_costs), egeria.evaluation_stopped))
+    class _LastBatchOfFirstEpoch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if egeria._step == 32:  # 1024 / 32 steps: the first epoch's last batch, before its end
+                seen.append((egeria.reference is not None, egeria.evaluations, list(egeria._evaluation_costs),
+                             egeria.evaluation_stopped))
 
-    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _AtFirstEpochEnd()], verbose=0)
-    evaluations, costs, stopped = seen[0]
-    assert evaluations >= 10  # the pre-flight and the evaluations that waited for the build
-    assert costs == [] and stopped is None
-    assert egeria.reference is not None  # built at the first epoch end
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _LastBatchOfFirstEpoch()], verbose=0)
+    built, evaluations, costs, stopped = seen[0]
+    assert evaluations >= 10 and stopped is None  # the pre-flight, then one evaluation every 2 steps
+    assert built == short_build
+    if short_build:
+        assert costs  # real evaluations followed the build
+    else:
+        assert costs == []
+    assert egeria.reference is not None  # built at the first epoch end at the latest
 
 
 def test_budget_docstring_examples_hold():
