@@ -189,7 +189,6 @@ class EgeriaCallback(FreezingCallback):
         # building the reference, or a refresh that must extend its prefix.
         self._build_pending = False
         self._refresh_pending = False
-        self._build_estimate: float | None = None  # the pre-flight's estimate of the reference's build
         self._refreshed_with_read = False
 
     # ------------------------------------------------------------------ setup
@@ -220,7 +219,6 @@ class EgeriaCallback(FreezingCallback):
     def _setup(self, first_fit: bool) -> None:
         self.probe  # noqa: B018 - drawn now: bad probe data is an error before training time is spent
         self._readers = {}
-        self._build_estimate = None  # measured again by this fit's pre-flight
 
     def _build_reference(self) -> bool:
         """Builds the reference model (at the first evaluation); False when Egeria stepped aside."""
@@ -243,7 +241,7 @@ class EgeriaCallback(FreezingCallback):
         self.reference.refreshes = self._restored_refreshes
         return True
 
-    def _can_pay(self) -> bool:
+    def _can_pay(self) -> tuple[bool, float | None]:
         """Before the reference is built: can evaluating pay at all in this fit?
 
         The training model's prefix is timed on the probe batch; an evaluation
@@ -252,16 +250,18 @@ class EgeriaCallback(FreezingCallback):
         If, spaced within `overhead_budget`, evaluations cannot lead to a
         freeze that repays them before the end, Egeria steps back now, before
         paying for the reference.
+        Returns whether it can, and the build's estimate (None where the
+        estimate is impossible and evaluation goes on unjudged).
         """
         step_seconds, total = self._step_seconds(), self.total_steps
         shares = self._candidate_flops_shares()
         if self.overhead_budget is None or not step_seconds or total is None or shares is None:
-            return True
+            return True, None
         modules = self._measured_modules()
         reader = self._reader_for(modules)
         start = time.perf_counter()
         reader(self.probe)  # traced once
-        build = self._build_estimate = _BUILD_PER_TRACE * (time.perf_counter() - start)
+        build = _BUILD_PER_TRACE * (time.perf_counter() - start)
         start = time.perf_counter()
         reader(self.probe)
         cost = _EVALUATION_PER_READ * (time.perf_counter() - start)
@@ -273,7 +273,7 @@ class EgeriaCallback(FreezingCallback):
         # cautious best case (the stop rule after the build lets held freezes share).
         if self._repays(earliest, interval, cost, shares, step_seconds, freeze_seconds=build, setup_seconds=build,
                         shared_rebuilds=False):
-            return True
+            return True, build
         self.evaluation_stopped = (
             f"stepped back at step {self._step}, before building the reference: an evaluation would cost "
             f"about {cost:.3f} s against {step_seconds:.3f} s per step, so within overhead_budget="
@@ -282,7 +282,7 @@ class EgeriaCallback(FreezingCallback):
             f"reference build (about {build:.2f} s)"
         )
         self._say(f"{self.evaluation_stopped}.")
-        return False
+        return False, build
 
     def _rebuild_stand_in(self) -> float:
         # Until a rebuild is timed: the larger of the reference build and a
@@ -324,8 +324,9 @@ class EgeriaCallback(FreezingCallback):
                 self._one_off_work = True
                 return None
             self._one_off_work = True
-            if self._can_pay():
-                short = self._build_estimate is not None and self._build_estimate <= _MID_EPOCH_BUILD_SECONDS
+            pays, build = self._can_pay()
+            if pays:
+                short = build is not None and build <= _MID_EPOCH_BUILD_SECONDS
                 if self._defers_to_epoch_end() and not short:
                     self._build_pending = True
                 else:

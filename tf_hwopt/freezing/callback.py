@@ -1088,7 +1088,6 @@ class FreezingCallback(keras.callbacks.Callback):
                 "wall_seconds": wall,
                 "overhead_fraction": (self._overhead_seconds / wall) if wall else 0.0,
             }
-        total_flops = sum(m.flops or 0.0 for m in self.modules)
         final = self._frozen_state()
         return {
             "strategy": type(self).__name__,
@@ -1100,9 +1099,9 @@ class FreezingCallback(keras.callbacks.Callback):
                     "name": m.name,
                     "layers": m.layer_names,
                     "params": m.params,
-                    "flops_share": (m.flops / total_flops) if total_flops and m.flops is not None else None,
+                    "flops_share": self._flops_share([i]),
                 }
-                for m in self.modules
+                for i, m in enumerate(self.modules)
             ],
             "num_modules": len(self.modules),
             "frozen_modules": final["frozen_modules"],
