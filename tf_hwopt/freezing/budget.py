@@ -6,6 +6,8 @@ that saves more. These pure functions do its accounting:
 
 - `stretched_interval`: the steps between evaluations that keep their cost
   within a share (`overhead_budget`) of the training time;
+- `evaluation_cost`: what the next evaluation is taken to cost, from the
+  last ones timed;
 - `freeze_saving_seconds` and `best_case_saving_seconds`: the most the
   freezes still possible can save, from the modules' shares of the forward
   FLOPs, the steps left and the train-function rebuild each costs;
@@ -62,6 +64,27 @@ def stretched_interval(base: int, evaluation_seconds: float, step_seconds: float
     if budget is None or step_seconds <= 0 or evaluation_seconds <= 0:
         return base
     return max(base, int(math.ceil(evaluation_seconds / (budget * step_seconds) - 1e-9)))
+
+
+def evaluation_cost(recent_seconds: Sequence[float]) -> float | None:
+    """What the next evaluation is taken to cost: the median of the last three timed, the least of fewer.
+
+    Noise on a shared host only ever adds time, and one sample can be
+    several steps' worth (finetune-mnist1d, 2026-12-07: first evaluations
+    timed at two to three steps stretched the early intervals to 99 and 74
+    steps, against 39 and 37 with normal costs, and the modules froze 250
+    steps late). None before any is timed.
+
+    Example:
+    >>> evaluation_cost([0.30, 0.04])        # a slow first sample does not decide alone
+    0.04
+    >>> evaluation_cost([0.30, 0.04, 0.05, 0.06])  # the last three: 0.04, 0.05, 0.06
+    0.05
+    """
+    recent = list(recent_seconds)[-3:]
+    if not recent:
+        return None
+    return sorted(recent)[1] if len(recent) == 3 else min(recent)
 
 
 def freeze_saving_seconds(flops_share: float, step_seconds: float, steps: float) -> float:

@@ -33,6 +33,7 @@ from tf_hwopt._checks import check_positive_int
 from tf_hwopt._io import write_json_atomic
 from tf_hwopt.freezing.budget import (
     cache_rebuild_seconds,
+    evaluation_cost,
     releases_held_freezes,
     saving_scale,
     stretched_interval,
@@ -452,7 +453,7 @@ class FreezingCallback(keras.callbacks.Callback):
 
     def _plan_next_evaluation(self) -> None:
         """Schedules the next evaluation within `overhead_budget`; stops evaluating when it cannot pay."""
-        cost = float(np.median(self._evaluation_costs)) if self._evaluation_costs else None
+        cost = evaluation_cost(self._evaluation_costs)
         step_seconds = self._step_seconds()
         interval = self._eval_every
         if cost is not None and step_seconds:
