@@ -490,12 +490,14 @@ def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch,
 
 
 @pytest.mark.parametrize("second_trace_slow", [False, True])
-def test_a_step_back_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
-    mnist1d_small, monkeypatch, second_trace_slow
+@pytest.mark.parametrize("decides", ["step_back", "deferral"])
+def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
+    mnist1d_small, monkeypatch, decides, second_trace_slow
 ):
     """A busy host can make the prefix reader's first trace ten times slower than usual. Where the
-    build estimated from it is all that says "cannot pay", a fresh reader is traced again and the
-    faster of the two decides: Egeria builds its reference, unless the second trace is slow too."""
+    build estimated from it decides (a step-back where a free build would pay, or a build put off
+    to the epoch end), a fresh reader is traced again and the faster trace counts: Egeria builds
+    its reference, at once, unless the second trace is slow too."""
     import tf_hwopt.egeria.callback as egeria_callback
 
     traced = []
@@ -509,17 +511,27 @@ def test_a_step_back_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
 
     monkeypatch.setattr(egeria_callback, "_seconds", seconds)
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
+    if decides == "deferral":  # any build pays: only whether it waits for the epoch end is left to decide
+        monkeypatch.setattr(egeria_callback.EgeriaCallback, "_repays", lambda self, *args, **kwargs: True)
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=4, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
-    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria], verbose=0)
+    built_in_first_epoch = []
+
+    class _LastBatchOfFirstEpoch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if egeria._step == 32:
+                built_in_first_epoch.append(egeria.reference is not None)
+
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _LastBatchOfFirstEpoch()], verbose=0)
     stopped = egeria.summary()["evaluation_stopped"] or ""
-    assert len(traced) == 2  # the step-back was checked with a second trace
-    if second_trace_slow:
+    assert len(traced) == 2  # the decision was checked with a second trace
+    if decides == "step_back" and second_trace_slow:
         assert stopped.startswith("stepped back at step 4") and "reference build (about 15000.00 s)" in stopped
         assert egeria.reference is None
     else:
         assert not stopped.startswith("stepped back") and egeria.reference is not None
+        assert built_in_first_epoch == [not second_trace_slow]
 
 
 @pytest.mark.parametrize("short_build", [False, True])

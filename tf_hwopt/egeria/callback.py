@@ -283,11 +283,14 @@ class EgeriaCallback(FreezingCallback):
             return pays, build, cost, interval, earliest
 
         pays, build, cost, interval, earliest = judge(trace, read)
-        if not pays and judge(trace, read, build_counts=False)[0]:
-            # The build estimate alone says no, and a first trace can take ten
-            # times its usual time on a busy host (finetune-mnist1d, 2026-12-07:
-            # 0.61 s against 0.07 s, a 9.2 s estimate that stepped back where
-            # the build took 1 s): a second trace, of a fresh reader, confirms it.
+        if judge(trace, read, build_counts=False)[0] if not pays else self._build_waits(build):
+            # The build estimate decides (a step-back where a free build would
+            # pay, or a build put off to the epoch end), and a first trace can
+            # take ten times its usual time on a busy host (finetune-mnist1d,
+            # 2026-12-07: 0.61 s against 0.07 s, a 9.2 s estimate that stepped
+            # back where builds take 1 s; mnist1d: estimates over 1.5 s put 3 of
+            # 6 builds off by an epoch, and the first freezes from step 314 to
+            # 471): a second trace, of a fresh reader, confirms it.
             fresh = ActivationReader(self.model, [self.modules[i].output_layer for i in modules])
             trace, read = min(trace, _seconds(fresh, self.probe)), min(read, _seconds(reader, self.probe))
             pays, build, cost, interval, earliest = judge(trace, read)
@@ -302,6 +305,10 @@ class EgeriaCallback(FreezingCallback):
         )
         self._say(f"{self.evaluation_stopped}.")
         return False, build
+
+    def _build_waits(self, build: float | None) -> bool:
+        """Whether a reference build estimated at `build` seconds waits for the epoch end (`freeze_at`)."""
+        return self._defers_to_epoch_end() and (build is None or build > _MID_EPOCH_BUILD_SECONDS)
 
     def _rebuild_stand_in(self) -> float:
         # Until a rebuild is timed: the larger of the reference build and a
@@ -345,8 +352,7 @@ class EgeriaCallback(FreezingCallback):
             self._one_off_work = True
             pays, build = self._can_pay()
             if pays:
-                short = build is not None and build <= _MID_EPOCH_BUILD_SECONDS
-                if self._defers_to_epoch_end() and not short:
+                if self._build_waits(build):
                     self._build_pending = True
                 else:
                     self._build_reference()
