@@ -283,14 +283,16 @@ class EgeriaCallback(FreezingCallback):
             return pays, build, cost, interval, earliest
 
         pays, build, cost, interval, earliest = judge(trace, read)
-        if judge(trace, read, build_counts=False)[0] if not pays else self._build_waits(build):
-            # The build estimate decides (a step-back where a free build would
-            # pay, or a build put off to the epoch end), and a first trace can
-            # take ten times its usual time on a busy host (finetune-mnist1d,
-            # 2026-12-07: 0.61 s against 0.07 s, a 9.2 s estimate that stepped
-            # back where builds take 1 s; mnist1d: estimates over 1.5 s put 3 of
-            # 6 builds off by an epoch, and the first freezes from step 314 to
-            # 471): a second trace, of a fresh reader, confirms it.
+        # Whether the build estimate decides: a step-back where a free build
+        # would pay, or a build put off to the epoch end.
+        build_decides = self._build_waits(build) if pays else judge(trace, read, build_counts=False)[0]
+        if build_decides:
+            # A first trace can take ten times its usual time on a busy host
+            # (finetune-mnist1d, 2026-12-07: 0.61 s against 0.07 s, a 9.2 s
+            # estimate that stepped back where builds take 1 s; mnist1d:
+            # estimates over 1.5 s put 3 of 6 builds off by an epoch, and the
+            # first freezes from step 314 to 471): a second trace, of a fresh
+            # reader, confirms it, and the faster of the two counts.
             fresh = ActivationReader(self.model, [self.modules[i].output_layer for i in modules])
             trace, read = min(trace, _seconds(fresh, self.probe)), min(read, _seconds(reader, self.probe))
             pays, build, cost, interval, earliest = judge(trace, read)
