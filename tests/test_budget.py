@@ -489,6 +489,22 @@ def test_egeria_preflight_counts_the_reference_build(mnist1d_small, monkeypatch,
         assert not stopped.startswith("stepped back") and egeria.reference is not None
 
 
+def _fit_seeing_the_first_epochs_last_batch(egeria, mnist1d_small, see) -> list:
+    """Fits the small ResNet for 8 epochs of 32 steps with `egeria`; returns `[see()]` taken at step
+    32, the first epoch's last batch, before its end (and before any epoch-end work)."""
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    seen = []
+
+    class _LastBatchOfFirstEpoch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if egeria._step == 32:
+                seen.append(see())
+
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _LastBatchOfFirstEpoch()], verbose=0)
+    return seen
+
+
 @pytest.mark.parametrize("second_trace_slow", [False, True])
 @pytest.mark.parametrize("decides", ["step_back", "deferral"])
 def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
@@ -513,17 +529,10 @@ def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
     if decides == "deferral":  # any build pays: only whether it waits for the epoch end is left to decide
         monkeypatch.setattr(egeria_callback.EgeriaCallback, "_repays", lambda self, *args, **kwargs: True)
-    x, y, _, _ = mnist1d_small
-    model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=4, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
-    built_in_first_epoch = []
-
-    class _LastBatchOfFirstEpoch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if egeria._step == 32:
-                built_in_first_epoch.append(egeria.reference is not None)
-
-    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _LastBatchOfFirstEpoch()], verbose=0)
+    built_in_first_epoch = _fit_seeing_the_first_epochs_last_batch(
+        egeria, mnist1d_small, lambda: egeria.reference is not None
+    )
     stopped = egeria.summary()["evaluation_stopped"] or ""
     assert len(traced) == 2  # the decision was checked with a second trace
     if decides == "step_back" and second_trace_slow:
@@ -547,18 +556,13 @@ def test_a_short_build_is_done_at_once_and_a_deferred_one_gives_no_cost_estimate
     monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", 0.0)
     monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", 1.5 if short_build else -1.0)
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
-    x, y, _, _ = mnist1d_small
-    model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
-    seen = []
-
-    class _LastBatchOfFirstEpoch(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if egeria._step == 32:  # 1024 / 32 steps: the first epoch's last batch, before its end
-                seen.append((egeria.reference is not None, egeria.evaluations, list(egeria._evaluation_costs),
-                             egeria.evaluation_stopped))
-
-    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _LastBatchOfFirstEpoch()], verbose=0)
+    seen = _fit_seeing_the_first_epochs_last_batch(
+        egeria,
+        mnist1d_small,
+        lambda: (egeria.reference is not None, egeria.evaluations, list(egeria._evaluation_costs),
+                 egeria.evaluation_stopped),
+    )
     built, evaluations, costs, stopped = seen[0]
     assert evaluations >= 10 and stopped is None  # the pre-flight, then one evaluation every 2 steps
     assert built == short_build
