@@ -23,8 +23,6 @@ import time
 import warnings
 from typing import Sequence
 
-import numpy as np
-
 import keras
 import tensorflow as tf
 
@@ -39,49 +37,11 @@ from tf_hwopt.freezing.budget import (
     stretched_interval,
     worth_evaluating,
 )
+from tf_hwopt.freezing.batch_norm import BatchNormRefresher, batch_norm_layers
 from tf_hwopt.freezing.engine import FreezingEngine
 from tf_hwopt.freezing.modules import graph_kind, partition_modules
 from tf_hwopt.freezing.policy import Decision, FreezingPolicy
-from tf_hwopt.freezing.probe import ActivationReader, ProbeSizeError, draw_probe
-
-
-def _batch_moments(x, axis) -> tuple[np.ndarray, np.ndarray]:
-    """Per-channel mean and (biased) variance of a batch, as BatchNormalization computes them."""
-    x = np.asarray(x, np.float64)
-    axes = [axis] if isinstance(axis, int) else list(axis)
-    axes = [a % x.ndim for a in axes]
-    reduce = tuple(a for a in range(x.ndim) if a not in axes)
-    return x.mean(axis=reduce), x.var(axis=reduce)
-
-
-def batch_norm_drift(x, moving_mean, moving_variance, *, axis=-1, epsilon: float = 1e-3) -> float:
-    """How far a BatchNormalization's moving statistics are from the batch's own.
-
-    For input `x` (a batch), the relative RMS difference between the layer's
-    normalized output under its batch statistics (training) and under its
-    moving statistics (inference, and once frozen). Per channel with batch
-    std `s_b`, moving std `s_m` and means `mu_b`, `mu_m`, the mean squared
-    difference of the two normalized outputs is
-    `(s_b / s_m - 1)^2 + ((mu_b - mu_m) / s_m)^2`; the result is the square
-    root of its mean over channels. 0 when the statistics agree.
-
-    Example:
-    >>> x = np.random.RandomState(0).normal(3.0, 2.0, (512, 4))
-    >>> round(batch_norm_drift(x, x.mean(0), x.var(0)), 6)
-    0.0
-    >>> batch_norm_drift(x, np.zeros(4), np.ones(4)) > 1   # statistics at init
-    True
-    """
-    mean_b, var_b = _batch_moments(x, axis)
-    return _drift_from_moments(mean_b, var_b, moving_mean, moving_variance, epsilon)
-
-
-def _drift_from_moments(mean_b, var_b, moving_mean, moving_variance, epsilon) -> float:
-    std_b = np.sqrt(var_b + epsilon)
-    mean_m = np.asarray(moving_mean, np.float64).reshape(mean_b.shape)
-    std_m = np.sqrt(np.asarray(moving_variance, np.float64).reshape(mean_b.shape) + epsilon)
-    squared = (std_b / std_m - 1.0) ** 2 + ((mean_b - mean_m) / std_m) ** 2
-    return float(np.sqrt(np.mean(squared)))
+from tf_hwopt.freezing.probe import ProbeSizeError, draw_probe
 
 
 def timed(method):
@@ -712,52 +672,41 @@ class FreezingCallback(keras.callbacks.Callback):
 
         Returns the modules frozen.
 
-        A frozen BatchNormalization normalizes with its moving statistics
-        instead of the batch's. Early in training those still lag behind (a
-        momentum of 0.99 forgets slowly), and a module frozen with them
-        computes something else than what training has been computing: seen
-        to collapse training accuracy from 66% to 10%. So, unless
-        `refresh_batch_norm=False`, each BatchNormalization of a module about
-        to freeze first gets the statistics of its input on the probe batch
-        (front to back, each read after the ones before it were refreshed);
-        how far they were (`batch_norm_drift`) is recorded with the event.
+        Unless `refresh_batch_norm=False`, the BatchNormalization layers of
+        the modules about to freeze first get the statistics of their input
+        on the probe batch (`batch_norm.py`: a frozen one normalizes with its
+        moving statistics, which may still lag far behind; seen to collapse
+        training accuracy from 66% to 10%). How far they were
+        (`batch_norm_drift`, the largest in the module) is recorded with the
+        event.
         """
         self._one_off_work = True  # a freeze is no estimate of the next evaluations' cost
         indices = [i for group in groups for i in group[0]]
-        drifts = {i: self._refresh_batch_norm(i) if self.refresh_batch_norm else None for i in indices}
+        drifts = self._refresh_batch_norm(indices) if self.refresh_batch_norm else {}
         changed = self.engine.freeze(indices)
         for group_indices, reason, details in groups:
             for i in group_indices:
                 if i in changed:
-                    extra = {} if drifts[i] is None else {"batch_norm_drift": drifts[i]}
+                    extra = {} if drifts.get(i) is None else {"batch_norm_drift": drifts[i]}
                     self._record("freeze", (i,), reason, {**details, **extra})
         return changed
 
-    def _refresh_batch_norm(self, index: int) -> float | None:
-        """Sets module `index`'s BatchNormalization moving statistics to the probe's; returns the largest drift."""
-        layers = [
-            layer
-            for layer in self.modules[index].layers
-            if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
-        ]
-        if not layers:
-            return None
+    def _refresh_batch_norm(self, indices: Sequence[int]) -> dict:
+        """Sets the modules' BatchNormalization moving statistics to the probe's, in one call; their largest drifts."""
+        owners = [(i, layer) for i in indices for layer in batch_norm_layers(self.modules[i].layers)]
+        if not owners:
+            return {}
         try:
             probe = self.probe_inputs
         except _ProbeUnavailable:
-            return None  # no probe data: nothing to refresh from
-        if index not in self._batch_norm_readers:
-            self._batch_norm_readers[index] = ActivationReader(self.model, layers, capture="inputs")
-        reader = self._batch_norm_readers[index]
-        drifts = []
-        for j, layer in enumerate(layers):
-            mean, var = _batch_moments(reader(probe)[j], layer.axis)
-            moving_mean = keras.ops.convert_to_numpy(layer.moving_mean)
-            moving_variance = keras.ops.convert_to_numpy(layer.moving_variance)
-            drifts.append(_drift_from_moments(mean, var, moving_mean, moving_variance, layer.epsilon))
-            layer.moving_mean.assign(mean.reshape(moving_mean.shape).astype(moving_mean.dtype))
-            layer.moving_variance.assign(var.reshape(moving_variance.shape).astype(moving_variance.dtype))
-        return float(max(drifts))
+            return {}  # no probe data: nothing to refresh from
+        key = tuple(indices)
+        if key not in self._batch_norm_readers:
+            self._batch_norm_readers[key] = BatchNormRefresher(self.model, [layer for _, layer in owners])
+        drifts: dict = {}
+        for (i, _), drift in zip(owners, self._batch_norm_readers[key](probe)):
+            drifts[i] = max(drifts.get(i, drift), drift)
+        return drifts
 
     def _record(self, kind, indices, reason, details) -> None:
         for i in indices:
