@@ -103,32 +103,6 @@ def test_one_call_read_and_refresh_matches_a_read_and_a_snapshot_refresh(rng):
     snapshot.close()
 
 
-def test_one_call_read_and_refresh_reads_no_further_than_the_measured_modules_need(rng):
-    """A quantized prefix grown past the measured modules: the one-call function
-    stops two modules past the last asked (same references as the whole
-    prefix's), and serves the next modules asked until they pass it."""
-    keras.utils.set_random_seed(7)
-    model = resnet1d(widths=(8, 8, 8, 8), strides=(1, 2, 1, 2), stem_width=8)
-    x = rng.rand(16, 40, 1).astype(np.float32)
-    layers = [m.output_layer for m in partition_modules(model)]
-    assert len(layers) >= 5
-    one_call = Reference(model, layers, x, asynchronous=False, cover=4)
-    snapshot = Reference(model, layers, x, asynchronous=True, cover=4)
-    assert one_call.covered_modules == 5
-    for modules in [(0,), (1, 2), (3, 4)]:
-        reads = one_call.read_and_refresh(model, modules)
-        snapshot.submit_refresh(model, modules)
-        for a, b in zip(reads, ActivationReader(model, [layers[m] for m in modules])(x)):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-        for a, b in zip(one_call.activations(), snapshot.activations()):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-        for v in model.trainable_weights:
-            v.assign(v.numpy() * 0.5 + 0.01)
-    # Module 0 asked: read up to module 2, reused for (1, 2); (3, 4): up to module 4.
-    assert sorted(key[2] for key in one_call.compiled) == [2, 4]
-    snapshot.close()
-
-
 def test_one_call_read_and_refresh_of_the_int8_weights_clone_matches_the_snapshot_path(rng):
     keras.utils.set_random_seed(6)
     model = resnet1d(widths=(8, 8, 8), strides=(1, 2, 1), stem_width=8)

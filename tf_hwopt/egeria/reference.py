@@ -55,8 +55,6 @@ FALLBACK_PATH = "int8-weights"
 REFERENCE_MODES = ("auto", TFMOT_PATH, FALLBACK_PATH)
 # The rebuilt tf_keras model must reproduce the Keras 3 model this closely.
 _REBUILD_RTOL = 1e-4
-# Modules a one-call read and refresh reads past the last asked for (see `_TfmotReference.fused_extent`).
-_FUSED_SLACK = 2
 
 
 class _NotRebuildable(Exception):
@@ -350,16 +348,21 @@ class _TfmotReference:
                     targets.extend(model_vars)
                     self._sources.extend((i, quantize) for i in idx)
                 # The quantized layer's variables alone, for the one-call refresh (`read_and_refresh`).
-                holder = self._inner[name][0]
-                quantized.extend((variable, i, quantize, holder) for variable, i in zip(model_vars, idx))
+                quantized.extend((variable, i, quantize) for variable, i in zip(model_vars, idx))
             self._assign = _compiled_assign(targets)
             self._quantized_targets = quantized
-            self._weight_quantizers = [
-                (layer, q) for layer in self._quantized.layers for q in _internals.tfmot_weight_quantizers(layer)
+            weight_quantizers = [
+                q for layer in self._quantized.layers for q in _internals.tfmot_weight_quantizers(layer)
             ]
-            quantizers = [q for _, q in self._weight_quantizers]
+
+            def set_weight_ranges():
+                # What a wrapper does to its weights in training mode: TFMOT's
+                # quantizer sets the range from the weight. No layer runs.
+                for weight, quantizer, range_vars in weight_quantizers:
+                    quantizer(weight, True, weights=range_vars)
+
             # Stock layers and TFMOT wrappers need no AutoGraph; converting them cost most of a build.
-            self._weight_ranges = tf.function(lambda: _set_weight_ranges(quantizers), autograph=False)
+            self._weight_ranges = tf.function(set_weight_ranges, autograph=False)
             self._calibrate_and_read = tf.function(self._calibrate_and_read_fn, autograph=False)
         self.covered = upto
 
@@ -382,7 +385,6 @@ class _TfmotReference:
     def _calibration_plan(self, tf_keras):
         """Pairs each activation-range variable with the float tensor it quantizes."""
         plan = []  # (min_var, max_var, index of float tensor in self._float_probe outputs)
-        self._calibration_holders = []  # the quantized layer holding each pair
         float_tensors = []
         self._calibration_layers = []  # the layer (name) producing each float tensor; None: the model input
         input_names = [t.name.split(":")[0] for t in self._float.inputs]
@@ -412,7 +414,6 @@ class _TfmotReference:
             self._calibration_layers.append(None if name in input_names else name)
             for pair in ranges.values():
                 plan.append((pair["min"], pair["max"], len(float_tensors) - 1))
-                self._calibration_holders.append(layer)
         self._float_probe = tf_keras.Model(self._float.inputs, float_tensors) if float_tensors else None
         return plan
 
@@ -424,45 +425,25 @@ class _TfmotReference:
         return acts if isinstance(acts, list) else [acts]
 
     def fused_extent(self, modules: Sequence[int]) -> int:
-        """The last module a one-call function for `modules` reads.
-
-        `_FUSED_SLACK` modules past the last of them, so that the modules
-        measured after the next freezes reuse the function (one trace), but
-        never the whole quantized prefix where it grew far past them: after
-        ResNet50V2's prefix grew to 12 modules for modules 4-6, each call
-        read all 12 (210 ms against 90 ms before).
-        """
-        return min(self.covered, max(modules) + _FUSED_SLACK)
+        """The last module a one-call function reads: the whole quantized prefix (one function per prefix)."""
+        return self.covered
 
     def fused(self, model, output_layers: Sequence):
         """One compiled function reading `model` and refreshing the quantized prefix from its weights, or None.
 
-        `fn(probe_x) -> (reads, references)`: `output_layers`' outputs (the
-        first modules, no further than the quantized prefix) in the training
-        model (float32) and in the quantized prefix, after copying the
-        model's current weights into the quantized layers they depend on
-        (variable to variable, no host copy) and ranging their activations
-        on the training model's activations of the same forward pass. What a snapshot, `refresh` and a read of the training
+        `fn(probe_x) -> (reads, references)`: the covered modules' outputs
+        (`output_layers[0..covered]`) in the training model (float32) and in
+        the quantized prefix, after copying the model's current weights into
+        the quantized prefix (variable to variable, no host copy) and ranging
+        its activations on the training model's activations of the same
+        forward pass. What a snapshot, `refresh` and a read of the training
         model compute, in one call (8 ms against 21 ms on the MNIST-1D
         ResNet). None where the training model's prefix is no sub-model, or a
         layer needs int8 weights by hand.
         """
-        if any(quantize for _, _, quantize, _ in self._quantized_targets):
+        if any(quantize for _, _, quantize in self._quantized_targets):
             return None
-        read_layers = list(output_layers)
-        extent = len(read_layers) - 1
-        reader = self._reader
-        if extent < self.covered:  # only the quantized layers the first `extent + 1` modules depend on
-            reader = self._tf_keras.Model(self._reader.inputs, self._reader.outputs[: extent + 1])
-        kept = {id(layer) for layer in reader.layers}
-        calibration = [
-            entry for entry, holder in zip(self._calibration, self._calibration_holders) if id(holder) in kept
-        ]
-        used = sorted({i for _, _, i in calibration})  # the float tensors those ranges quantize, renumbered
-        calibration = [(low, high, used.index(i)) for low, high, i in calibration]
-        names = [self._calibration_layers[i] for i in used]
-        pairs = [(target, i) for target, i, _, holder in self._quantized_targets if id(holder) in kept]
-        quantizers = [q for layer, q in self._weight_quantizers if id(layer) in kept]
+        names, read_layers = self._calibration_layers, list(output_layers)
         layer_names = [name for name in names if name is not None]
         if len(layer_names) < len(names) and len(model.inputs) != 1:
             return None  # a ranged input of several: the snapshot path picks it by name
@@ -475,7 +456,8 @@ class _TfmotReference:
         prefix = prefix_model(model, calibration_layers + read_layers)
         if prefix is None:
             return None
-        pairs = [(target, model.weights[i]) for target, i in pairs]
+        pairs = [(target, model.weights[i]) for target, i, _ in self._quantized_targets]
+        calibration, reader, weight_ranges = self._calibration, self._reader, self._weight_ranges
 
         def fused_fn(x):
             outs = prefix(x, training=False)
@@ -485,7 +467,7 @@ class _TfmotReference:
             floats = [x if name is None else next(produced) for name in names]
             for target, source in pairs:
                 target.assign(tf.cast(source.value, target.dtype))
-            _set_weight_ranges(quantizers)
+            weight_ranges()
             _set_activation_ranges(calibration, floats)
             refs = reader(x, training=False)
             refs = refs if isinstance(refs, (list, tuple)) else [refs]
@@ -501,12 +483,6 @@ class _TfmotReference:
             # Activation ranges: the float activations' observed ranges.
             acts = self._calibrate_and_read(probe_x)
         return [np.asarray(acts[m], np.float32) for m in modules]
-
-
-def _set_weight_ranges(weight_quantizers) -> None:
-    """What a TFMOT wrapper does to its weights in training mode: the quantizer sets the range from the weight."""
-    for weight, quantizer, range_vars in weight_quantizers:
-        quantizer(weight, True, weights=range_vars)
 
 
 def _set_activation_ranges(calibration, floats) -> None:
@@ -814,16 +790,12 @@ class Reference:
         """The one-call read and refresh reading `modules` (built once per prefix it reads), or None."""
         if self._executor is not None:
             return None
-        # One function per prefix read, each traced once: the shortest one
-        # already compiled that reads `modules` (for this quantized prefix),
-        # else a new one reading as far as the reference's `fused_extent`.
-        prefix = (id(self._impl), self._impl.covered)
-        longer = sorted(key for key in self.compiled if key[:2] == prefix and key[2] >= max(modules))
-        if longer and self.compiled[longer[0]] is not None:
-            return self.compiled[longer[0]]
-        key = prefix + (self._impl.fused_extent(modules),)
+        # A function per prefix: TFMOT's whole quantized prefix (rebuilt when
+        # it grows), the clone's up to the last module read.
+        extent = self._impl.fused_extent(modules)
+        key = (id(self._impl), extent)
         if key not in self.compiled:
-            self.compiled[key] = self._impl.fused(model, self._output_layers[: key[2] + 1])
+            self.compiled[key] = self._impl.fused(model, self._output_layers[: extent + 1])
         return self.compiled[key]
 
     def read_and_refresh(self, model, modules: Sequence[int]) -> list[np.ndarray] | None:
