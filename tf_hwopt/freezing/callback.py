@@ -252,7 +252,7 @@ class FreezingCallback(keras.callbacks.Callback):
         self._final = None
         self._resume_checked = False
         self._setup_pending = False
-        self._batch_norm_readers: dict = {}
+        self._batch_norm_refreshers: dict = {}
         # Modules frozen when the last fit ended, frozen again by the next fit.
         self._frozen_between_fits: list[int] = []
         # Freezes decided during this epoch, applied at its end (`freeze_at`).
@@ -701,10 +701,10 @@ class FreezingCallback(keras.callbacks.Callback):
         except _ProbeUnavailable:
             return {}  # no probe data: nothing to refresh from
         key = tuple(indices)
-        if key not in self._batch_norm_readers:
-            self._batch_norm_readers[key] = BatchNormRefresher(self.model, [layer for _, layer in owners])
+        if key not in self._batch_norm_refreshers:
+            self._batch_norm_refreshers[key] = BatchNormRefresher(self.model, [layer for _, layer in owners])
         drifts: dict = {}
-        for (i, _), drift in zip(owners, self._batch_norm_readers[key](probe)):
+        for (i, _), drift in zip(owners, self._batch_norm_refreshers[key](probe)):
             drifts[i] = max(drifts.get(i, drift), drift)
         return drifts
 
@@ -767,7 +767,7 @@ class FreezingCallback(keras.callbacks.Callback):
                 self.modules = partition_modules(self.model, self.module_names, sample_input=sample)
             self.engine = FreezingEngine(self.model, self.modules)
             self._rebuilds_seen = 0
-            self._batch_norm_readers = {}
+            self._batch_norm_refreshers = {}
             if self.log_dir and self._writer is None:
                 self._writer = tf.summary.create_file_writer(self.log_dir)
             if first_fit:
