@@ -103,7 +103,8 @@ class BatchNormRefresher:
 
             def hook(i, call, args, kwargs):
                 layer, inputs = layers_[i], args[0]
-                mean, variance = tf.nn.moments(tf.cast(inputs, tf.float32), _reduction_axes(inputs.shape.rank, layer.axis))
+                axes = _reduction_axes(inputs.shape.rank, layer.axis)
+                mean, variance = tf.nn.moments(tf.cast(inputs, tf.float32), axes)
                 old = (tf.convert_to_tensor(layer.moving_mean), tf.convert_to_tensor(layer.moving_variance))
                 # Assigned before the layer reads them (TensorFlow orders
                 # the ops on one variable as written), so the next layer's
