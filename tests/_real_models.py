@@ -58,6 +58,17 @@ def dict_input_model():
     return keras.Model({"signal": signal, "meta": meta}, keras.layers.Dense(4, name="head")(h))
 
 
+def lambda_cnn():
+    """A CNN with Python lambdas in `Lambda` layers (keras.ops inside, an `arguments` dict)."""
+    i = keras.Input((32, 32, 3))
+    h = keras.layers.Lambda(lambda t: t / 2.0 - 0.5, name="scale")(i)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(h)
+    h = keras.layers.Lambda(lambda t, s: keras.ops.relu(t - s), arguments={"s": 0.1}, name="shift")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(i, keras.layers.Dense(4, name="head")(h))
+
+
 class SubclassedMLP(keras.Model):
     """Written the way users write them: layers in __init__, never built before fit."""
 

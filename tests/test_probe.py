@@ -1,3 +1,4 @@
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -37,6 +38,36 @@ def test_dataset_probe_batched_or_not(arrays, batch):
         ds = ds.batch(batch)
     probe = draw_probe(ds, 20, input_ndim=2)
     np.testing.assert_array_equal(probe, x[:20])
+
+
+class _Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batch = x, y, batch
+
+    def __len__(self):
+        return len(self.x) // self.batch
+
+    def __getitem__(self, i):
+        s = slice(i * self.batch, (i + 1) * self.batch)
+        return self.x[s], self.y[s]
+
+
+def test_py_dataset_probe_reads_its_first_batches(arrays):
+    x, y = arrays
+    data = _Batches(x, y, 8)
+    np.testing.assert_array_equal(draw_probe(data, 20, input_ndim=2), x[:20])
+    px, py = draw_probe(data, 12, input_ndim=2, labelled=True)
+    np.testing.assert_array_equal(px, x[:12])
+    np.testing.assert_array_equal(py, y[:12])
+    with pytest.raises(ValueError, match=r"larger than the training data \(96 examples in the PyDataset\)"):
+        draw_probe(data, 97, input_ndim=2)
+
+
+def test_generator_is_refused_by_name(arrays):
+    x, _ = arrays
+    with pytest.raises(ValueError, match="of type generator. Pass `probe_data=`"):
+        draw_probe((x[i : i + 10] for i in range(0, 100, 10)), 20)
 
 
 def test_dict_inputs(arrays):

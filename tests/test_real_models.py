@@ -159,8 +159,9 @@ def test_weightless_front_layers_join_their_neighbour():
         (lambda: R.stock_transformer_lm(False), lambda: R.token_data(32)[0]),
         (lambda: R.stock_transformer_lm(True), lambda: R.token_data(32)[0]),
         (R.dict_input_model, lambda: R.dict_data(32)[0]),
+        (R.lambda_cnn, lambda: R.image_data(32)[0]),
     ],
-    ids=["post-LN", "pre-LN", "dict"],  # MobileNetV2: in its training test below
+    ids=["post-LN", "pre-LN", "dict", "Lambda"],  # MobileNetV2: in its training test below
 )
 def test_reference_is_built_through_tfmot_and_is_faithful(build, data):
     keras.utils.set_random_seed(0)
@@ -327,6 +328,19 @@ def test_dict_inputs_train_without_structure_warnings_and_export(tmp_path):
     assert egeria.summary()["reference_path"] == "tfmot"
 
 
+def test_python_lambda_layers_take_either_reference_path_and_train(tmp_path):
+    # Keras refuses to deserialize a Python lambda in safe mode; the reference
+    # copies the user's own in-memory function instead of failing both paths.
+    keras.utils.set_random_seed(0)
+    x, y = R.image_data(128)
+    ref, errors = reference_errors(R.lambda_cnn(), x[:32], mode="int8-weights")
+    assert ref.path == "int8-weights" and max(errors) <= REFERENCE_REL_ERROR, errors
+    egeria, caught = train_freeze_and_export(R.lambda_cnn(), x, y, tmp_path)
+    s = egeria.summary()
+    assert s["reference_path"] == "tfmot" and s["frozen_modules"] >= 1, s
+    assert not [w for w in caught if "EgeriaCallback" in str(w.message)]
+
+
 def test_int_ids_into_a_float_input_train_and_export(tmp_path):
     keras.utils.set_random_seed(0)
     x, y = R.token_data()
@@ -422,22 +436,36 @@ def test_aggressive_freezing_does_not_collapse_a_batch_norm_network(mnist1d_smal
 
 
 def test_a_generator_input_without_probe_data_steps_aside_and_fit_goes_on():
-    class Batches(keras.utils.PyDataset):
-        def __len__(self):
-            return 8
-
-        def __getitem__(self, i):
-            x, y = R.vector_data(32, seed=i)
-            return x, y
+    def batches():  # a Python generator is read once: no probe can come from it
+        for i in range(16):
+            yield R.vector_data(32, seed=i % 8)
 
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     egeria = loose()
-    with pytest.warns(RuntimeWarning, match="no probe batch.*probe_data"):
-        history = model.fit(Batches(), epochs=2, callbacks=[egeria], verbose=0)
+    with pytest.warns(RuntimeWarning, match="no probe batch.*of type generator.*probe_data"):
+        history = model.fit(batches(), steps_per_epoch=8, epochs=2, callbacks=[egeria], verbose=0)
     assert len(history.history["loss"]) == 2 and egeria.summary()["status"] == "disabled"
     # Given probe data, the same input trains with Egeria.
     egeria = loose(probe_data=R.vector_data(64)[0])
+    model.fit(batches(), steps_per_epoch=8, epochs=2, callbacks=[egeria], verbose=0)
+    assert egeria.summary()["status"] == "active" and egeria.summary()["frozen_modules"] >= 1
+
+
+def test_a_py_dataset_input_gives_the_probe_from_its_first_batches():
+    class Batches(keras.utils.PyDataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return R.vector_data(32, seed=i)
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    egeria = loose()
     model.fit(Batches(), epochs=2, callbacks=[egeria], verbose=0)
     assert egeria.summary()["status"] == "active" and egeria.summary()["frozen_modules"] >= 1
+    first = np.concatenate([R.vector_data(32, seed=i)[0] for i in range(2)])
+    np.testing.assert_array_equal(egeria.probe_inputs, first[: egeria.probe_size])

@@ -92,6 +92,28 @@ def auto_layer_name_pattern(layer) -> re.Pattern:
 _RETIRED_ATTRIBUTE = "_tf_hwopt_retired_train_functions"
 
 
+def copy_lambda_layer(layer):
+    """A new `keras.layers.Lambda` running the same Python function as `layer`.
+
+    `clone_model` copies a layer through its config, where a Python lambda
+    is bytecode: Keras refuses it in safe mode and, allowed, loads it
+    without its module's globals (a `keras.ops` call inside then fails).
+    The function object itself is what a copy needs; Keras keeps the
+    `output_shape` argument only privately (Keras 3.15: `Lambda._output_shape`).
+    """
+    import keras
+
+    return keras.layers.Lambda(
+        layer.function,
+        output_shape=getattr(layer, "_output_shape", None),
+        mask=layer.mask,
+        arguments=layer.arguments,
+        name=layer.name,
+        dtype=layer.dtype_policy,
+        trainable=layer.trainable,
+    )
+
+
 def retire_train_function(model) -> None:
     """Keeps `model`'s train function alive as long as the model, before `make_train_function(force=True)`.
 
@@ -161,6 +183,21 @@ def autograph_disabled():
     from tensorflow.python.autograph.core import ag_ctx
 
     return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.DISABLED)
+
+
+def tf_keras_own_lambdas_allowed():
+    """A context in which tf_keras deserializes Python lambdas (of `Lambda` layers).
+
+    TFMOT's `quantize_apply` rebuilds the reference model from its config
+    several times; tf_keras refuses a `Lambda` layer's Python function there
+    unless safe mode is off. The function is the user's own, already loaded
+    in this process: nothing from a file is deserialized. tf_keras exports
+    only a global switch (`enable_unsafe_deserialization`); its thread-local
+    scope is private (tf_keras 2.21: `saving.serialization_lib.SafeModeScope`).
+    """
+    from tf_keras.src.saving.serialization_lib import SafeModeScope
+
+    return SafeModeScope(False)
 
 
 def tf_keras_node_output(model, layer):

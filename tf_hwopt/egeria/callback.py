@@ -79,8 +79,9 @@ class EgeriaCallback(FreezingCallback):
 
     Args:
         probe_data: data to draw the probe batch from: model inputs (NumPy
-            arrays, or a list/dict of them) or a `tf.data.Dataset`. Default:
-            the data passed to `fit`.
+            arrays, or a list/dict of them), a `tf.data.Dataset` or a
+            `keras.utils.PyDataset`. Default: the data passed to `fit` (a
+            Python generator cannot be read twice: pass `probe_data` with one).
         probe_size: examples in the probe batch.
         modules: explicit partition, a list of lists of layer names front to
             back (required for subclassed models). Default: automatic.

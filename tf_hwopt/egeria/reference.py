@@ -103,6 +103,10 @@ _DROPPED_SUFFIXES = ("_initializer", "_regularizer", "_constraint")
 
 def _tf_keras_layer(layer, tf_keras):
     cls_name = type(layer).__name__
+    if type(layer) is keras.layers.Lambda:
+        # Its function is the user's Python code, not a config: the same
+        # function object runs in tf_keras (keras.ops take tf tensors).
+        return tf_keras.layers.Lambda(layer.function, arguments=layer.arguments, name=layer.name)
     if not type(layer).__module__.startswith("keras.src.layers"):
         raise _NotRebuildable(f"layer {layer.name!r} is a custom class ({type(layer).__qualname__})")
     cls = getattr(tf_keras.layers, cls_name, None)
@@ -290,7 +294,7 @@ class _TfmotReference:
         grown = 2 * self.covered + 1 if limit is None else min(2 * self.covered + 1, limit)
         upto = min(last, max(upto, grown))
         tf_keras, tfmot = self._tf_keras, self._tfmot
-        with tf.device("/CPU:0"), _internals.autograph_disabled():
+        with tf.device("/CPU:0"), _internals.autograph_disabled(), _internals.tf_keras_own_lambdas_allowed():
             full = self._float_full
             registry = _internals.tfmot_default_registry()
             kernel_config = _kernel_quantize_config_class(tfmot)
@@ -598,10 +602,17 @@ class _CloneReference:
             return self._readers[modules](probe_x)
 
 
+def _clone_layer(layer):
+    """A fresh copy of `layer` from its config, as `clone_model` makes one; a `Lambda` runs the same function."""
+    if type(layer) is keras.layers.Lambda:
+        return _internals.copy_lambda_layer(layer)
+    return layer.__class__.from_config(layer.get_config())
+
+
 def _clone(model, probe_x):
     """A structurally identical Keras 3 model (weights are assigned later)."""
     attempts = [
-        ("clone_model", lambda: keras.models.clone_model(model)),
+        ("clone_model", lambda: keras.models.clone_model(model, clone_function=_clone_layer)),
         ("from_config", lambda: model.__class__.from_config(model.get_config())),
         ("no-argument constructor", lambda: model.__class__()),
     ]

@@ -106,8 +106,9 @@ class FreezingCallback(keras.callbacks.Callback):
     Args:
         probe_data: data to draw the fixed probe batch from, in a form
             `model.fit` takes: inputs (NumPy arrays or a list/dict of them),
-            `(x, y)` for policies that need labels, or a `tf.data.Dataset`.
-            Default: the data passed to `fit`.
+            `(x, y)` for policies that need labels, a `tf.data.Dataset` or a
+            `keras.utils.PyDataset`. Default: the data passed to `fit` (a
+            Python generator cannot be read twice: pass `probe_data` with one).
         probe_size: examples in the probe batch.
         modules: explicit partition, a list of lists of layer names front to
             back (required for subclassed models). Default: automatic.
@@ -336,9 +337,11 @@ class FreezingCallback(keras.callbacks.Callback):
             data = (x, y) if self.LABELLED_PROBE and y is not None else x
         try:
             if self.LABELLED_PROBE and not (isinstance(data, tuple) and len(data) == 2) and not isinstance(
-                data, tf.data.Dataset
+                data, (tf.data.Dataset, keras.utils.PyDataset)
             ):
-                raise ValueError("labelled probe data is needed: `probe_data=(x, y)` or a tf.data.Dataset of (x, y)")
+                raise ValueError(
+                    "labelled probe data is needed: `probe_data=(x, y)`, or a tf.data.Dataset or PyDataset of (x, y)"
+                )
             return draw_probe(
                 data, self.probe_size, seed=self.seed, input_ndim=input_ndim, labelled=self.LABELLED_PROBE
             )
@@ -347,8 +350,8 @@ class FreezingCallback(keras.callbacks.Callback):
         except ValueError as err:
             if explicit:
                 raise  # the user's own argument, as above
-            # Data `fit` takes but we cannot draw from (a generator, a PyDataset...).
-            raise _ProbeUnavailable(f"{err} Pass `probe_data=` (arrays or a tf.data.Dataset)") from err
+            # Data `fit` takes but we cannot draw from (a Python generator: read once).
+            raise _ProbeUnavailable(str(err)) from err
 
     @property
     def steps_per_epoch(self) -> int | None:

@@ -10,6 +10,7 @@ inputs on it (`ActivationReader`).
 
 from __future__ import annotations
 
+import itertools
 from typing import Sequence
 
 import keras
@@ -153,8 +154,9 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
     Args:
         data: the model's inputs (NumPy arrays or tensors, or a list/dict
             of them, as `fit` takes `x`), or a `tf.data.Dataset` yielding `x`
-            or `(x, y, ...)`, batched or not. With `labelled=True`: `(x, y)`,
-            or a dataset yielding `(x, y, ...)`.
+            or `(x, y, ...)`, batched or not, or a `keras.utils.PyDataset` (its
+            first batches are read). With `labelled=True`: `(x, y)`, or a
+            dataset yielding `(x, y, ...)`.
         size: number of examples in the probe batch.
         seed: seed of the random choice among array examples. The choice uses
             NumPy's own generator, so it never moves TensorFlow's random state
@@ -175,15 +177,19 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
     >>> x, y = draw_probe((x_train, y_train), 64, labelled=True)
     """
     if isinstance(data, tf.data.Dataset):
-        return _probe_from_dataset(data, size, input_ndim, labelled)
+        return _probe_from_batches(data, size, input_ndim, labelled, "the dataset")
+    if isinstance(data, keras.utils.PyDataset):
+        count = data.num_batches
+        batches = (data[i] for i in (range(count) if count is not None else itertools.count()))
+        return _probe_from_batches(batches, size, input_ndim, labelled, "the PyDataset")
+    kind = type(data).__name__
     try:
         data = _to_numpy(data)
         n = num_examples(data)
     except (TypeError, ValueError, IndexError) as err:
         raise ValueError(
-            "Cannot draw the probe batch from training data of type "
-            f"{type(data).__name__}. Pass `probe_data=` (NumPy inputs, (x, y) or a "
-            "tf.data.Dataset) to the callback."
+            f"Cannot draw the probe batch from training data of type {kind}. Pass "
+            "`probe_data=` (NumPy inputs, (x, y), a tf.data.Dataset or a PyDataset) to the callback."
         ) from err
     if size > n:
         raise ProbeSizeError(
@@ -194,9 +200,10 @@ def draw_probe(data, size: int, *, seed: int = 0, input_ndim: int | None = None,
     return take(data, idx)
 
 
-def _probe_from_dataset(dataset, size, input_ndim, labelled):
+def _probe_from_batches(elements, size, input_ndim, labelled, source):
+    """The first `size` examples of a dataset's (or a PyDataset's) elements."""
     chunks, total = [], 0
-    for element in dataset:
+    for element in elements:
         if labelled:
             x = _to_numpy(tuple(element[:2]))
             first = keras.tree.flatten(x[0])[0]
@@ -212,7 +219,7 @@ def _probe_from_dataset(dataset, size, input_ndim, labelled):
     if total < size:
         raise ProbeSizeError(
             f"`probe_size`={size} is larger than the training data ({total} examples "
-            "in the dataset). Pass a smaller probe_size."
+            f"in {source}). Pass a smaller probe_size."
         )
     joined = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *chunks)
     return take(joined, slice(0, size))
