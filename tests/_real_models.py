@@ -69,6 +69,16 @@ def lambda_cnn():
     return keras.Model(i, keras.layers.Dense(4, name="head")(h))
 
 
+def two_head_cnn():
+    """A CNN with a dict of two outputs (a class and a value), as multi-task models are written."""
+    i = keras.Input((32, 32, 3), name="img")
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="c1")(i)
+    h = keras.layers.BatchNormalization(name="bn1")(h)
+    h = keras.layers.Conv2D(8, 3, activation="relu", name="c2")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(i, {"label": keras.layers.Dense(4, name="label")(h), "value": keras.layers.Dense(1, name="value")(h)})
+
+
 class SubclassedMLP(keras.Model):
     """Written the way users write them: layers in __init__, never built before fit."""
 

@@ -160,8 +160,9 @@ def test_weightless_front_layers_join_their_neighbour():
         (lambda: R.stock_transformer_lm(True), lambda: R.token_data(32)[0]),
         (R.dict_input_model, lambda: R.dict_data(32)[0]),
         (R.lambda_cnn, lambda: R.image_data(32)[0]),
+        (R.two_head_cnn, lambda: R.image_data(32)[0]),
     ],
-    ids=["post-LN", "pre-LN", "dict", "Lambda"],  # MobileNetV2: in its training test below
+    ids=["post-LN", "pre-LN", "dict", "Lambda", "dict-outputs"],  # MobileNetV2: in its training test below
 )
 def test_reference_is_built_through_tfmot_and_is_faithful(build, data):
     keras.utils.set_random_seed(0)

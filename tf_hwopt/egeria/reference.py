@@ -376,9 +376,12 @@ class _TfmotReference:
 
     @staticmethod
     def _check_rebuild(tk, probe_x, expected, compute_dtype):
-        got = np.asarray(tk(_head(probe_x), training=False), np.float64)
-        want = np.asarray(expected, np.float64)
-        err = np.max(np.abs(want - got)) / max(np.max(np.abs(want)), 1e-12)
+        # Outputs flattened alike (a dict of outputs: by key, as `model.outputs` is ordered).
+        got = [np.asarray(t, np.float64) for t in keras.tree.flatten(tk(_head(probe_x), training=False))]
+        want = [np.asarray(t, np.float64) for t in keras.tree.flatten(expected)]
+        if [a.shape for a in got] != [b.shape for b in want]:
+            raise _NotRebuildable("the rebuilt tf_keras model's outputs differ in number or shape")
+        err = max(np.max(np.abs(b - a)) / max(np.max(np.abs(b)), 1e-12) for a, b in zip(got, want))
         # bfloat16 compute in the training model carries ~3 significant digits.
         tolerance = _REBUILD_RTOL if compute_dtype == "float32" else 5e-2
         if not np.isfinite(err) or err > tolerance:
@@ -708,7 +711,9 @@ class Reference:
         if mode in ("auto", TFMOT_PATH):
             try:
                 weights = _snapshot(model)
-                expected = keras.ops.convert_to_numpy(model(_head(self._probe_x), training=False))
+                expected = keras.tree.map_structure(
+                    keras.ops.convert_to_numpy, model(_head(self._probe_x), training=False)
+                )
                 impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
                 impl.extend(cover, self._max_cover)
                 logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
