@@ -13,11 +13,18 @@ mode), so they stay bit-identical. The optimizer's slots (momentum, Adam
 moments) are keyed by variable, so those of the other variables are
 untouched by the rebuild.
 
-Layers the user had already made non-trainable are never touched.
+Layers the user had already made non-trainable are never touched, and
+re-opening a module gives every layer inside it (the layers of a nested
+base model included) the `trainable` it had before, not `True` throughout:
+Keras's setter sets a layer's sublayers alike. While a module is frozen, its
+layers' `get_config` still report the user's `trainable`, so that a model
+saved meanwhile (`keras.callbacks.ModelCheckpoint`, `model.save`) loads as
+the user built it, not with our transient freezes baked in.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 from tf_hwopt import _internals
@@ -26,6 +33,46 @@ from tf_hwopt.freezing.modules import Module
 # Marks a layer frozen by tf_hwopt, so that a later engine (after an
 # interrupted fit) knows the layer was trainable before.
 _MARK = "_tf_hwopt_frozen"
+
+# The `trainable` of each layer inside a frozen layer before the freeze, by
+# frozen layer (not kept on the layer: Keras would track a list of layers
+# assigned to it as its sublayers).
+_INNER_TRAINABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _freeze_layer(layer) -> None:
+    """`layer.trainable = False`, remembering what its sublayers were; its and their configs unchanged."""
+    inner = [(sub, sub.trainable) for sub in _internals.all_layers(layer)]
+    layer.trainable = False
+    setattr(layer, _MARK, True)
+    _INNER_TRAINABLE[layer] = inner
+    _report_trainable(layer)
+    for sub, trainable in inner:
+        if trainable:
+            _report_trainable(sub)
+
+
+def _unfreeze_layer(layer) -> None:
+    """Gives `layer` and its sublayers back the `trainable` they had before `_freeze_layer`."""
+    layer.trainable = True
+    for sub, trainable in [(layer, True)] + _INNER_TRAINABLE.pop(layer, []):
+        # Outermost first: each setter also sets the layers inside, which come after.
+        sub.trainable = trainable
+        sub.__dict__.pop("get_config", None)
+    setattr(layer, _MARK, False)
+
+
+def _report_trainable(layer) -> None:
+    """Shadows `layer.get_config` so that saving reports it trainable (as the user left it)."""
+    cls_get_config = type(layer).get_config
+
+    def get_config():
+        config = cls_get_config(layer)
+        if isinstance(config, dict) and "trainable" in config:
+            config["trainable"] = True
+        return config
+
+    layer.get_config = get_config
 
 
 class FreezingEngine:
@@ -81,8 +128,10 @@ class FreezingEngine:
             for layer in self.modules[i].layers:
                 if not self._was_trainable[id(layer)]:
                     continue
-                layer.trainable = not frozen
-                setattr(layer, _MARK, frozen)
+                if frozen:
+                    _freeze_layer(layer)
+                else:
+                    _unfreeze_layer(layer)
             self.frozen[i] = frozen
             changed.append(i)
         if changed:

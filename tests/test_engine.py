@@ -1,0 +1,71 @@
+"""FreezingEngine: what freezing and re-opening leave on the user's model."""
+
+import os
+
+import keras
+import numpy as np
+
+import tf_hwopt
+from conftest import eager_freezing
+from tf_hwopt.freezing import FreezingEngine, partition_modules
+
+
+def _fine_tuning_model():
+    """A nested base with a layer the user froze, under a fresh top (the transfer-learning pattern)."""
+    base = keras.Sequential(
+        [keras.Input((12, 12, 3)), keras.layers.Conv2D(4, 3, name="b1"), keras.layers.BatchNormalization(name="bn"),
+         keras.layers.Conv2D(4, 3, name="b2")],
+        name="base",
+    )
+    base.get_layer("b1").trainable = False
+    x = keras.Input((12, 12, 3))
+    h = keras.layers.Conv2D(4, 3, activation="relu", name="top")(base(x))
+    out = keras.layers.Dense(3, name="head")(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(x, out)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _flags(model):
+    return {layer.name: layer.trainable for layer in tf_hwopt._internals.all_layers(model)}
+
+
+def test_reopening_a_nested_base_gives_back_each_inner_layer_its_own_trainable():
+    model = _fine_tuning_model()
+    before, trainable_count = _flags(model), len(model.trainable_weights)
+    engine = FreezingEngine(model, partition_modules(model, count_flops=False))
+    assert [layer.name for layer in engine.modules[0].layers] == ["base"]
+    engine.freeze([0])
+    assert not any(_flags(model)[name] for name in ("base", "b1", "bn", "b2"))
+    assert len(model.trainable_weights) == 4  # top and head only
+    engine.restore()
+    # Keras's setter makes every inner layer trainable: b1, which the user froze, must stay frozen.
+    assert _flags(model) == before and len(model.trainable_weights) == trainable_count
+
+
+def test_a_model_saved_while_modules_are_frozen_loads_as_the_user_built_it(tmp_path, mnist1d_small):
+    x, y, _, _ = mnist1d_small
+    model = keras.Sequential(
+        [keras.Input((40, 1)), keras.layers.Conv1D(8, 3, activation="relu", name="c1"),
+         keras.layers.Conv1D(8, 3, activation="relu", name="c2"), keras.layers.Flatten(),
+         keras.layers.Dense(10, name="out")]
+    )
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    freezer = eager_freezing()
+    path = os.path.join(tmp_path, "epoch_{epoch}.keras")
+    saved_frozen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            saved_frozen.append([layer.name for layer in model.layers if not layer.trainable])
+
+    # ModelCheckpoint after the freezer, as users list callbacks: it saves a model with frozen modules.
+    model.fit(x[:512], y[:512], batch_size=64, epochs=3, verbose=0,
+              callbacks=[freezer, Record(), keras.callbacks.ModelCheckpoint(path)])
+    assert saved_frozen[-1], "no module was frozen when the last checkpoint was written"
+    for epoch in (1, 2, 3):
+        loaded = keras.models.load_model(path.format(epoch=epoch))
+        assert all(layer.trainable for layer in loaded.layers)
+        assert len(loaded.trainable_weights) == len(model.trainable_weights) == 6
+    for a, b in zip(loaded.weights, model.weights):  # the last checkpoint holds the trained weights
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
