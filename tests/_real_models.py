@@ -79,6 +79,27 @@ def two_head_cnn():
     return keras.Model(i, {"label": keras.layers.Dense(4, name="label")(h), "value": keras.layers.Dense(1, name="value")(h)})
 
 
+_WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+
+
+def text_data(n=256, seed=0):
+    """Sentences of 6 words and whether "alpha" is among them."""
+    rng = np.random.RandomState(seed)
+    texts = np.array([" ".join(rng.choice(_WORDS, 6)) for _ in range(n)])
+    return texts[:, None], np.array(["alpha" in t for t in texts], "int32")
+
+
+def text_classifier(texts):
+    """Raw strings in, `TextVectorization` adapted to `texts` inside the model (as Keras's text examples export it)."""
+    vectorize = keras.layers.TextVectorization(max_tokens=16, output_sequence_length=6, name="vectorize")
+    vectorize.adapt(texts)
+    x = keras.Input((1,), dtype="string")
+    h = keras.layers.Embedding(16, 8, name="embed")(vectorize(x))
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="conv")(h)
+    h = keras.layers.Dense(8, activation="relu", name="mid")(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(x, keras.layers.Dense(2, name="head")(h))
+
+
 class SubclassedMLP(keras.Model):
     """Written the way users write them: layers in __init__, never built before fit."""
 

@@ -342,6 +342,26 @@ def test_python_lambda_layers_take_either_reference_path_and_train(tmp_path):
     assert not [w for w in caught if "EgeriaCallback" in str(w.message)]
 
 
+def test_text_model_with_text_vectorization_freezes_and_exports(tmp_path):
+    # The adapted vocabulary is a lookup table outside the config and the weights:
+    # the reference calls the same layer (both reference paths failed before).
+    keras.utils.set_random_seed(0)
+    texts, labels = R.text_data()
+    ref, errors = reference_errors(R.text_classifier(texts), tf.constant(texts[:32]))
+    assert ref.path == "int8-weights" and max(errors) <= REFERENCE_REL_ERROR, errors
+    model = R.text_classifier(texts)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    egeria = loose()
+    dataset = tf.data.Dataset.from_tensor_slices((texts, labels)).batch(32)
+    watcher, _ = fit_checked(model, dataset, callback=egeria, epochs=2)
+    assert egeria.summary()["status"] == "active"
+    assert_frozen_unchanged(egeria, watcher)
+    result = tf_hwopt.export_saved_model(model, str(tmp_path / "export"), sample=tf.constant(texts[:8]))
+    served = tf.saved_model.load(result.path).signatures["serving_default"]
+    got = next(iter(served(**{next(iter(served.structured_input_signature[1])): tf.constant(texts[:8])}).values()))
+    np.testing.assert_allclose(got.numpy(), model.predict(tf.constant(texts[:8]), verbose=0), atol=1e-5)
+
+
 def test_int_ids_into_a_float_input_train_and_export(tmp_path):
     keras.utils.set_random_seed(0)
     x, y = R.token_data()

@@ -18,7 +18,7 @@ import warnings
 
 
 @contextlib.contextmanager
-def _stderr_silenced():
+def stderr_silenced():
     if os.environ.get("TF_HWOPT_VERBOSE_TF"):
         yield
         return
@@ -45,7 +45,7 @@ def import_tensorflow_quietly() -> None:
     if not os.environ.get("TF_HWOPT_VERBOSE_TF"):
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     already = "tensorflow" in sys.modules
-    with _stderr_silenced() if not already else contextlib.nullcontext():
+    with stderr_silenced() if not already else contextlib.nullcontext():
         import tensorflow as tf  # noqa: F401
         import keras  # noqa: F401
 
@@ -59,7 +59,7 @@ def import_tensorflow_quietly() -> None:
 
 def import_tf_keras_quietly():
     """Imports tf_keras and TFMOT (which re-register TensorFlow's C++ logging)."""
-    with _stderr_silenced() if "tf_keras" not in sys.modules else contextlib.nullcontext():
+    with stderr_silenced() if "tf_keras" not in sys.modules else contextlib.nullcontext():
         import tf_keras
         import tensorflow_model_optimization as tfmot
     return tf_keras, tfmot

@@ -32,7 +32,7 @@ from typing import Sequence
 import numpy as np
 
 from tf_hwopt._io import write_json_atomic
-from tf_hwopt._quiet import _stderr_silenced, import_tensorflow_quietly
+from tf_hwopt._quiet import stderr_silenced, import_tensorflow_quietly
 
 import_tensorflow_quietly()
 
@@ -308,7 +308,7 @@ def _int8_tflite(model, saved_model_dir, out_path, representative_data, eval_dat
 
     converter.representative_dataset = representative
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    with _stderr_silenced():  # the converter's C++ progress lines
+    with stderr_silenced():  # the converter's C++ progress lines
         flatbuffer = converter.convert()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = f"{out_path}.{uuid.uuid4().hex[:8]}.tmp"
@@ -330,7 +330,7 @@ def _int8_tflite(model, saved_model_dir, out_path, representative_data, eval_dat
 
 def tflite_predict(tflite_path: str, x: Sequence | np.ndarray) -> np.ndarray:
     """Runs a single-input, single-output TFLite model on `x`, one example at a time."""
-    with warnings.catch_warnings(), _stderr_silenced():
+    with warnings.catch_warnings(), stderr_silenced():
         # TF's interpreter warns that it moves to ai_edge_litert; it is what TF 2.21 ships.
         warnings.simplefilter("ignore", UserWarning)
         interpreter = tf.lite.Interpreter(model_path=tflite_path)

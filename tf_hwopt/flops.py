@@ -15,6 +15,7 @@ from typing import Iterable
 
 from tf_hwopt import _internals
 from tf_hwopt._layer_hooks import hooked_calls
+from tf_hwopt._quiet import stderr_silenced
 import keras
 import tensorflow as tf
 
@@ -32,7 +33,8 @@ def graph_float_ops(graph) -> dict[str, int]:
         .with_empty_output()
         .build()
     )
-    profile = model_analyzer.profile(graph, options=options)
+    with stderr_silenced():  # "N ops no flops stats due to incomplete shapes." (C++, every model with a None dim)
+        profile = model_analyzer.profile(graph, options=options)
     ops: dict[str, int] = {}
 
     def walk(node):

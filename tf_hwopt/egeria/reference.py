@@ -605,8 +605,16 @@ class _CloneReference:
             return self._readers[modules](probe_x)
 
 
+# Preprocessing layers whose adapted vocabulary is a lookup table outside
+# their config (a copy from the config would look up nothing) and outside
+# their weights (nothing to quantize): the clone calls the same layer.
+_SHARED_LAYERS = (keras.layers.TextVectorization, keras.layers.StringLookup, keras.layers.IntegerLookup)
+
+
 def _clone_layer(layer):
     """A fresh copy of `layer` from its config, as `clone_model` makes one; a `Lambda` runs the same function."""
+    if isinstance(layer, _SHARED_LAYERS):
+        return layer
     if type(layer) is keras.layers.Lambda:
         return _internals.copy_lambda_layer(layer)
     return layer.__class__.from_config(layer.get_config())

@@ -131,8 +131,8 @@ def conform_inputs(model, x):
 
 def _cast_to(a, dtype):
     """Integer or bool data cast to a float input's dtype (NumPy), else `a` unchanged."""
-    if dtype is None or not hasattr(a, "dtype"):
-        return a
+    if dtype is None or not hasattr(a, "dtype") or getattr(a.dtype, "kind", None) in ("O", "S", "U"):
+        return a  # strings (bytes objects from a dataset): nothing to cast
     want = keras.backend.standardize_dtype(dtype)
     have = keras.backend.standardize_dtype(a.dtype)
     if "float" not in want or "float" in have:
