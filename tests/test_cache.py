@@ -229,3 +229,33 @@ def test_epoch_dataset_feeds_plain_fit_the_cached_drivers_order_without_running_
         model.fit(data, epochs=epochs, steps_per_epoch=-(-n // batch), shuffle=False, verbose=0, callbacks=[Record()])
     assert seen == [0, 1, 2]
     assert not [w for w in caught if "ran out of data" in str(w.message)]
+
+
+def _two_output_model():
+    x = keras.Input((40, 1))
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="c1")(x)
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="c2")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    model = keras.Model(x, {"digit": keras.layers.Dense(10, name="digit")(h), "odd": keras.layers.Dense(1, name="odd")(h)})
+    model.compile("adam", {"digit": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "odd": "mse"})
+    return model
+
+
+def test_a_model_with_a_dict_of_outputs_trains_on_cached_activations(mnist1d_small):
+    x, y, x_test, y_test = mnist1d_small
+    targets = lambda labels: {"digit": labels, "odd": (labels % 2)[:, None].astype("float32")}  # noqa: E731
+    runs = []
+    for cache in (None, "memory"):
+        keras.utils.set_random_seed(0)
+        model = _two_output_model()
+        result = fit_with_cache(model, x[:512], targets(y[:512]), epochs=4, batch_size=64, cache=cache,
+                                freezer=_freezeout(freeze_start=0.0, freeze_level=1.0), verbose=0,
+                                validation_data=(x_test[:128], targets(y_test[:128])))
+        runs.append((model, result))
+    (base, plain), (cached, result) = runs
+    assert max(p["cached_modules"] for p in result["phases"]) >= 1, result["phases"]
+    assert {"val_digit_loss", "val_odd_loss"} <= set(result["history"])
+    for a, b in zip(base.weights, cached.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="`y` must be .* of 512 rows as `x`; got 100 rows"):
+        fit_with_cache(_two_output_model(), x[:512], targets(y[:100]), epochs=1, freezer=_freezeout())

@@ -49,6 +49,7 @@ import tensorflow as tf
 
 from tf_hwopt import _internals
 from tf_hwopt._checks import check_positive_int
+from tf_hwopt import _structures
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.modules import Module, partition_modules
 from tf_hwopt.training.result import TrainingResult
@@ -354,7 +355,11 @@ def cached_dataset(num_examples, epochs, seed, batch_size, gather, labels):
     bounds = [b for e in range(len(epochs)) for b in range(e * num_examples, (e + 1) * num_examples, batch_size)]
     splits = tf.constant(np.asarray(bounds + [len(ids)], np.int64))
     ids_t = tf.Variable(ids, trainable=False, name="example_ids")
-    labels_of = _array_gather(labels)
+    # One array, or a list/dict of them (a model with several outputs).
+    label_gathers = keras.tree.map_structure(_array_gather, labels)
+
+    def labels_of(batch_ids):
+        return keras.tree.map_structure(lambda gather_labels: gather_labels(batch_ids), label_gathers)
 
     def load(i):
         batch_ids = ids_t[splits[i] : splits[i + 1]]
@@ -476,8 +481,15 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
             "`x` must be a NumPy array: caching keys activations by example id, which a "
             f"tf.data pipeline does not expose. Received: {type(x).__name__}"
         )
-    if len(x) != len(y):
-        raise ValueError(f"`x` and `y` must have the same length; got {len(x)} and {len(y)}.")
+    try:
+        n_y = _structures.num_examples(y)
+    except (TypeError, ValueError, IndexError):
+        n_y = None
+    if n_y != len(x):
+        raise ValueError(
+            f"`y` must be a NumPy array, or a list/dict of them (one per output), of {len(x)} rows as `x`; "
+            f"got {'arrays of differing lengths' if n_y is None else f'{n_y} rows'}."
+        )
     check_positive_int("epochs", epochs)
     check_positive_int("batch_size", batch_size)
     if freezer is not None and not isinstance(freezer, FreezingCallback):
@@ -535,7 +547,8 @@ def fit_with_cache(
 
     Args:
         model: a compiled Functional or Sequential model.
-        x, y: training inputs and targets (NumPy arrays).
+        x, y: training inputs (a NumPy array) and targets (a NumPy array,
+            or a list/dict of them for a model with several outputs).
         epochs, batch_size: as for `model.fit`.
         freezer: the freezing callback that decides what freezes
             (usually `EgeriaCallback()`); None trains without freezing.
@@ -564,7 +577,7 @@ def fit_with_cache(
     >>> result.phases
     """
     _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data)
-    x, y = np.asarray(x), np.asarray(y)
+    x, y = np.asarray(x), keras.tree.map_structure(np.asarray, y)
     if freezer is None:
         cache = None  # nothing freezes, so nothing is cached
     modules = (freezer.modules if freezer is not None else None) or partition_modules(
@@ -620,7 +633,7 @@ def fit_with_cache(
                 if val_store is not None:
                     val_store.set_level(level)
                     val = cached_dataset(val_store.num_examples, [0], None, store.batch_size, val_store.gather,
-                                   np.asarray(validation_data[1]))
+                                         keras.tree.map_structure(np.asarray, validation_data[1]))
             phases.append({
                 "first_epoch": epoch, "frozen_prefix": level, "cached_modules": level_cached,
                 "cache_action": action if mode is not None else "off",
