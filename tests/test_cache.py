@@ -259,3 +259,12 @@ def test_a_model_with_a_dict_of_outputs_trains_on_cached_activations(mnist1d_sma
         np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="`y` must be .* of 512 rows as `x`; got 100 rows"):
         fit_with_cache(_two_output_model(), x[:512], targets(y[:100]), epochs=1, freezer=_freezeout())
+
+
+def test_an_optimizer_with_moving_averages_is_refused_before_training(mnist1d_small):
+    x, y = mnist1d_small[0][:64], mnist1d_small[1][:64]
+    model = small_resnet()
+    model.compile(keras.optimizers.Adam(use_ema=True), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="fit_with_cache cannot train with an optimizer with `use_ema=True`"):
+        fit_with_cache(model, x, y, epochs=1, freezer=_freezeout())
+    assert model.optimizer.iterations.numpy() == 0

@@ -69,3 +69,24 @@ def test_a_model_saved_while_modules_are_frozen_loads_as_the_user_built_it(tmp_p
         assert len(loaded.trainable_weights) == len(model.trainable_weights) == 6
     for a, b in zip(loaded.weights, model.weights):  # the last checkpoint holds the trained weights
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_an_optimizer_with_moving_averages_finalizes_every_variable(mnist1d_small):
+    # Keras finalizes the optimizer (with use_ema: weights <- their averages, paired by
+    # position with model.trainable_weights) before on_train_end: the modules must be
+    # trainable again by then (it raised a shape mismatch).
+    x, y, _, _ = mnist1d_small
+    model = keras.Sequential(
+        [keras.Input((40, 1)), keras.layers.Conv1D(8, 3, activation="relu", name="c1"),
+         keras.layers.Conv1D(8, 3, activation="relu", name="c2"), keras.layers.Flatten(),
+         keras.layers.Dense(10, name="out")]
+    )
+    model.compile(keras.optimizers.SGD(0.05, use_ema=True, ema_overwrite_frequency=None),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    freezer = eager_freezing()
+    history = model.fit(x[:512], y[:512], batch_size=64, epochs=3, verbose=0, callbacks=[freezer])
+    assert len(history.history["loss"]) == 3 and freezer.summary()["frozen_modules"] >= 1
+    assert all(layer.trainable for layer in model.layers)
+    assert all(np.isfinite(w.numpy()).all() for w in model.weights)
+    # The optimizer is the user's own again (no hook of ours left on it).
+    assert "finalize_variable_values" not in vars(model.optimizer)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from typing import Callable
 
 
 # ----------------------------------------------------------------- Keras 3
@@ -112,6 +113,33 @@ def copy_lambda_layer(layer):
         dtype=layer.dtype_policy,
         trainable=layer.trainable,
     )
+
+
+def before_optimizer_finalize(model, hook: Callable[[], None]) -> Callable[[], None]:
+    """Calls `hook()` when `fit` finalizes `model`'s optimizer, before its variables are read; returns the undo.
+
+    Keras 3.15's `fit` calls `optimizer.finalize_variable_values(
+    model.trainable_weights)` after the last epoch and before the callbacks'
+    `on_train_end` (`backend/tensorflow/trainer.py`); with `use_ema=True` the
+    optimizer pairs that list with its moving averages by position, so a
+    freezing callback must make its frozen layers trainable again first (the
+    list is read again after `hook`). No callback hook runs at that point.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    original = getattr(optimizer, "finalize_variable_values", None)
+    if original is None:
+        return lambda: None
+
+    def finalize_variable_values(var_list):
+        hook()
+        return original(model.trainable_weights)
+
+    optimizer.finalize_variable_values = finalize_variable_values
+
+    def undo() -> None:
+        optimizer.__dict__.pop("finalize_variable_values", None)
+
+    return undo
 
 
 def retire_train_function(model) -> None:

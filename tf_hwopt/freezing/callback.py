@@ -251,6 +251,7 @@ class FreezingCallback(keras.callbacks.Callback):
         self._wall_start = None
         self._wall_seconds = 0.0
         self._final = None
+        self._undo_finalize_hook = _no_op
         self._resume_checked = False
         self._setup_pending = False
         self._batch_norm_refreshers: dict = {}
@@ -743,6 +744,7 @@ class FreezingCallback(keras.callbacks.Callback):
         self._phase = self._base_phase = None
         if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
+        self._undo_finalize_hook = _internals.before_optimizer_finalize(self.model, self._end_of_fit)
         if self.module_names is None and graph_kind(self.model) == "subclassed":
             raise ValueError(
                 f"{type(self).__name__}: model {self.model.name!r} is a subclassed model, whose layer "
@@ -887,7 +889,20 @@ class FreezingCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._wall_seconds += time.perf_counter() - self._wall_start
         self._teardown()
-        if self.engine is None:
+        self._undo_finalize_hook()
+        self._undo_finalize_hook = _no_op
+        self._end_of_fit()
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _end_of_fit(self) -> None:
+        """Records what is frozen and makes every module trainable again; once per fit.
+
+        Runs when `fit` finalizes the optimizer's variables (just before
+        `on_train_end`): an optimizer with `use_ema=True` pairs the model's
+        trainable variables with its averages by position there.
+        """
+        if self.engine is None or self._final is not None:
             return
         self._final = self._frozen_state()
         # Freezes decided in the last epoch take effect in the next fit, if any.
@@ -895,8 +910,6 @@ class FreezingCallback(keras.callbacks.Callback):
         self._pending_freezes = []
         self._frozen_between_fits = sorted({i for i, f in enumerate(self.engine.frozen) if f} | set(pending))
         self.engine.restore()
-        if self._writer is not None:
-            self._writer.flush()
 
     # ----------------------------------------------------------------- resume
 
@@ -1076,6 +1089,10 @@ class FreezingCallback(keras.callbacks.Callback):
             "evaluation_stopped": self.evaluation_stopped,
             "skipped_evaluations": self.skipped_evaluations,
         }
+
+
+def _no_op() -> None:
+    pass
 
 
 def _first_line(err: BaseException, limit: int = 300) -> str:

@@ -476,6 +476,13 @@ def compile_like(suffix: keras.Model, model: keras.Model) -> None:
 def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data):
     if not isinstance(model, keras.Model) or getattr(model, "optimizer", None) is None:
         raise ValueError("`model` must be a compiled keras.Model (call `model.compile(...)` first).")
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
+    if getattr(optimizer, "use_ema", False):
+        raise ValueError(
+            "fit_with_cache cannot train with an optimizer with `use_ema=True`: Keras swaps the weights for "
+            "their moving averages at the end of every `fit`, and fit_with_cache trains in several. "
+            "Use `model.fit` with the freezing callback, or an optimizer without `use_ema`."
+        )
     if isinstance(x, tf.data.Dataset) or not hasattr(x, "__len__") or not hasattr(x, "shape"):
         raise ValueError(
             "`x` must be a NumPy array: caching keys activations by example id, which a "
