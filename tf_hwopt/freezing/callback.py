@@ -744,13 +744,13 @@ class FreezingCallback(keras.callbacks.Callback):
         self._phase = self._base_phase = None
         if getattr(self.model, "optimizer", None) is None:
             raise ValueError(f"{type(self).__name__} needs a compiled model (call `model.compile` first).")
-        self._undo_finalize_hook = _internals.before_optimizer_finalize(self.model, self._end_of_fit)
         if self.module_names is None and graph_kind(self.model) == "subclassed":
             raise ValueError(
                 f"{type(self).__name__}: model {self.model.name!r} is a subclassed model, whose layer "
                 "graph cannot be inspected. Pass `modules`, a list of lists of its layer names "
                 "ordered front to back, e.g. modules=[['conv1', 'bn1'], ['block1'], ['head']]."
             )
+        self._undo_finalize_hook = _internals.before_optimizer_finalize(self.model, self._end_of_fit)
         if self.disabled_reason is not None:
             return
         # Keras builds an unbuilt (subclassed) model in its first training

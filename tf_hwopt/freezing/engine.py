@@ -58,7 +58,8 @@ def _unfreeze_layer(layer) -> None:
     for sub, trainable in [(layer, True)] + _INNER_TRAINABLE.pop(layer, []):
         # Outermost first: each setter also sets the layers inside, which come after.
         sub.trainable = trainable
-        sub.__dict__.pop("get_config", None)
+        if getattr(sub.__dict__.get("get_config"), _MARK, False):
+            del sub.__dict__["get_config"]
     setattr(layer, _MARK, False)
 
 
@@ -72,6 +73,7 @@ def _report_trainable(layer) -> None:
             config["trainable"] = True
         return config
 
+    setattr(get_config, _MARK, True)  # ours to remove at the unfreeze, and no one else's
     layer.get_config = get_config
 
 

@@ -489,13 +489,14 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
             f"tf.data pipeline does not expose. Received: {type(x).__name__}"
         )
     try:
-        n_y = _structures.num_examples(y)
-    except (TypeError, ValueError, IndexError):
-        n_y = None
-    if n_y != len(x):
+        got = f"{_structures.num_examples(y)} rows"
+    except ValueError as err:  # "The inputs' first dimensions differ: [...]"
+        got = str(err)[:1].lower() + str(err)[1:].rstrip(".")
+    except (TypeError, IndexError):
+        got = type(y).__name__
+    if got != f"{len(x)} rows":
         raise ValueError(
-            f"`y` must be a NumPy array, or a list/dict of them (one per output), of {len(x)} rows as `x`; "
-            f"got {'arrays of differing lengths' if n_y is None else f'{n_y} rows'}."
+            f"`y` must be a NumPy array, or a list/dict of them (one per output), of {len(x)} rows as `x`; got {got}"
         )
     check_positive_int("epochs", epochs)
     check_positive_int("batch_size", batch_size)
