@@ -76,7 +76,7 @@ CASES = [
                                                                    freezer=FreezeOutCallback()),
      ValueError, "shift \\(RandomTranslation\\)"),
     ("x and y lengths", lambda m, f: fit_with_cache(m, X, Y[:10], epochs=1, freezer=FreezeOutCallback()),
-     ValueError, "same length"),
+     ValueError, "of 64 rows as `x`; got 10 rows"),
     ("mnist1d size", lambda m, f: load_mnist1d(5), ValueError, "num_samples"),
     ("seq_len", lambda m, f: load_stdlib_chars(1), ValueError, "seq_len"),
     # Hardware profiles, strategies, timing, search
