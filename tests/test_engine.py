@@ -4,9 +4,10 @@ import os
 
 import keras
 import numpy as np
+import pytest
 
 import tf_hwopt
-from conftest import eager_freezing
+from conftest import CrashAfterFirstFreeze, compile_model, eager_freezing, small_resnet
 from tf_hwopt.freezing import FreezingEngine, partition_modules
 
 
@@ -90,3 +91,38 @@ def test_an_optimizer_with_moving_averages_finalizes_every_variable(mnist1d_smal
     assert all(np.isfinite(w.numpy()).all() for w in model.weights)
     # The optimizer is the user's own again (no hook of ours left on it).
     assert "finalize_variable_values" not in vars(model.optimizer)
+
+
+def test_a_hook_left_by_an_interrupted_fit_is_replaced_not_chained():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(use_ema=True), "mse")
+    model.fit(np.ones((4, 3)), np.ones((4, 2)), verbose=0)  # builds the optimizer and its averages
+    calls = []
+    tf_hwopt._internals.before_optimizer_finalize(model, lambda: calls.append("interrupted fit"))  # never undone
+    undo = tf_hwopt._internals.before_optimizer_finalize(model, lambda: calls.append("this fit"))
+    model.optimizer.finalize_variable_values(model.trainable_weights)
+    assert calls == ["this fit"]
+    undo()
+    assert "finalize_variable_values" not in vars(model.optimizer)
+
+
+def test_freezes_left_by_a_fit_that_raised_are_undone_or_carried_on(mnist1d_small):
+    # Keras runs no on_train_end when fit raises: the frozen modules stayed frozen for good.
+    x, y = mnist1d_small[0][:512], mnist1d_small[1][:512]
+    for follow in ("new callback", "same callback"):
+        keras.utils.set_random_seed(0)
+        model = compile_model(small_resnet())
+        trainable = len(model.trainable_weights)
+        freezer = eager_freezing()
+        with pytest.raises(RuntimeError, match="simulated preemption"):
+            model.fit(x, y, batch_size=64, epochs=4, verbose=0, callbacks=[freezer, CrashAfterFirstFreeze(freezer)])
+        assert len(model.trainable_weights) < trainable
+        front = [v.numpy().copy() for layer in freezer.modules[0].layers for v in layer.weights]
+        # window=50: the next fit decides no freeze of its own.
+        nxt = eager_freezing(window=50) if follow == "new callback" else freezer
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0, callbacks=[nxt])
+        moved = any(not np.array_equal(a, v.numpy())
+                    for a, v in zip(front, [v for layer in freezer.modules[0].layers for v in layer.weights]))
+        # A new callback starts from the user's model; the same one carries on with what it had frozen.
+        assert moved == (follow == "new callback"), follow
+        assert len(model.trainable_weights) == trainable

@@ -129,11 +129,15 @@ def before_optimizer_finalize(model, hook: Callable[[], None]) -> Callable[[], N
     original = getattr(optimizer, "finalize_variable_values", None)
     if original is None:
         return lambda: None
+    if getattr(original, "_tf_hwopt_hook", False):
+        # Left by a fit that ended in an exception (no on_train_end): replaced, not chained.
+        original = type(optimizer).finalize_variable_values.__get__(optimizer)
 
     def finalize_variable_values(var_list):
         hook()
         return original(model.trainable_weights)
 
+    finalize_variable_values._tf_hwopt_hook = True
     optimizer.finalize_variable_values = finalize_variable_values
 
     def undo() -> None:

@@ -740,6 +740,9 @@ class FreezingCallback(keras.callbacks.Callback):
             "first_step": None,
             "first_steps": 0,
         }
+        if self.engine is not None and self._final is None:
+            # The last fit ended in an exception, before `_end_of_fit`: carry on with its freezes.
+            self._frozen_between_fits = [i for i, f in enumerate(self.engine.frozen) if f]
         self._final = None
         self._phase = self._base_phase = None
         if getattr(self.model, "optimizer", None) is None:

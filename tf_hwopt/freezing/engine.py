@@ -107,6 +107,13 @@ class FreezingEngine:
             for module in self.modules
             for layer in module.layers
         }
+        # A fit that ended in an exception (no `on_train_end`) left its
+        # freezes in place: this engine starts from the user's model.
+        left = [layer for module in self.modules for layer in module.layers if getattr(layer, _MARK, False)]
+        for layer in left:
+            _unfreeze_layer(layer)
+        if left:
+            self.rebuild()
 
     @property
     def num_frozen(self) -> int:
