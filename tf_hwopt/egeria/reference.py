@@ -612,7 +612,11 @@ _SHARED_LAYERS = (keras.layers.TextVectorization, keras.layers.StringLookup, ker
 
 
 def _clone_layer(layer):
-    """A fresh copy of `layer` from its config, as `clone_model` makes one; a `Lambda` runs the same function."""
+    """A fresh copy of `layer` from its config, as `clone_model` makes one.
+
+    A `Lambda` copy runs the same function; a lookup layer (`_SHARED_LAYERS`)
+    is not copied.
+    """
     if isinstance(layer, _SHARED_LAYERS):
         return layer
     if type(layer) is keras.layers.Lambda:

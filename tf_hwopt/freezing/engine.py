@@ -46,8 +46,7 @@ def _freeze_layer(layer) -> None:
     layer.trainable = False
     setattr(layer, _MARK, True)
     _INNER_TRAINABLE[layer] = inner
-    _report_trainable(layer)
-    for sub, trainable in inner:
+    for sub, trainable in [(layer, True)] + inner:
         if trainable:
             _report_trainable(sub)
 

@@ -47,9 +47,8 @@ import numpy as np
 import keras
 import tensorflow as tf
 
-from tf_hwopt import _internals
+from tf_hwopt import _internals, _structures
 from tf_hwopt._checks import check_positive_int
-from tf_hwopt import _structures
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.modules import Module, partition_modules
 from tf_hwopt.training.result import TrainingResult
@@ -489,12 +488,13 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
             f"tf.data pipeline does not expose. Received: {type(x).__name__}"
         )
     try:
-        got = f"{_structures.num_examples(y)} rows"
+        rows = _structures.num_examples(y)
+        got = f"{rows} rows"
     except ValueError as err:  # "The inputs' first dimensions differ: [...]"
-        got = str(err)[:1].lower() + str(err)[1:].rstrip(".")
+        rows, got = None, str(err)[:1].lower() + str(err)[1:].rstrip(".")
     except (TypeError, IndexError):
-        got = type(y).__name__
-    if got != f"{len(x)} rows":
+        rows, got = None, type(y).__name__
+    if rows != len(x):
         raise ValueError(
             f"`y` must be a NumPy array, or a list/dict of them (one per output), of {len(x)} rows as `x`; got {got}"
         )
