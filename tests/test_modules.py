@@ -1,3 +1,5 @@
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -23,6 +25,21 @@ def test_resnet_blocks_are_modules():
     assert sum(m.params for m in mods) == model.count_params()
     shares = np.array([m.flops for m in mods]) / sum(m.flops for m in mods)
     assert shares[1] > 0.1 and shares[-1] < 0.01
+
+
+def test_a_dict_input_model_is_profiled_with_its_own_input_structure():
+    # Called with a list, a dict-input model warns "The structure of `inputs`
+    # doesn't match" (Keras 3.15, inputs of equal shapes) in the user's fit.
+    a, b = keras.Input((32, 1), name="a"), keras.Input((32, 1), name="b")
+    h = keras.layers.Concatenate(name="join")([a, b])
+    h = keras.layers.Conv1D(8, 3, padding="same", name="conv")(h)
+    h = keras.layers.GlobalAveragePooling1D(name="pool")(h)
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(3, name="head")(h))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mods = partition_modules(model)
+    assert not [w for w in caught if "structure" in str(w.message).lower()]
+    assert mods[0].flops >= 2 * 32 * 3 * 2 * 8  # the convolution was counted
 
 
 def test_flops_of_a_dense_stack_are_exact():

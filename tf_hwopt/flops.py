@@ -76,10 +76,14 @@ def forward_flops_by_layer(
         with tf.name_scope(f"{_MARK}{i}"):
             return call(*args, **kwargs)
 
+    structure = sample_input if sample_input is not None else _input_structure(model)
+
     def forward(*xs):
         # A parent scope: a model named "_x" is no valid root scope name.
         with tf.name_scope("forward"):
-            return model(xs[0] if len(xs) == 1 else list(xs), training=False)
+            # The inputs as the model takes them (a dict-input model called with a list warns).
+            inputs = keras.tree.pack_sequence_as(structure, list(xs)) if structure is not None else list(xs)
+            return model(inputs[0] if isinstance(inputs, list) and len(inputs) == 1 else inputs, training=False)
 
     fn = tf.function(forward, autograph=False)
     with hooked_calls(layers, scoped):
@@ -94,6 +98,14 @@ def forward_flops_by_layer(
                 counts[names[int(match.group(1))]] += value
                 break
     return counts
+
+
+def _input_structure(model):
+    """The nested structure of a Functional model's inputs (a dict, a list...); None when it has none."""
+    try:
+        return model.input
+    except (AttributeError, ValueError):  # a Sequential model never called, a subclassed model
+        return None
 
 
 def _batch_one_specs(model, sample_input):
