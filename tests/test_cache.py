@@ -261,6 +261,46 @@ def test_a_model_with_a_dict_of_outputs_trains_on_cached_activations(mnist1d_sma
         fit_with_cache(_two_output_model(), x[:512], targets(y[:100]), epochs=1, freezer=_freezeout())
 
 
+def _two_input_model():
+    signal, parity = keras.Input((40, 1), name="signal"), keras.Input((40, 1), name="parity")
+    h = keras.layers.Concatenate(name="join")([signal, parity])
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="c1")(h)
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="c2")(h)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return compile_model(keras.Model({"signal": signal, "parity": parity}, keras.layers.Dense(10, name="head")(h)))
+
+
+def _shift_by_id(batch, ids):
+    """A deterministic per-example change of every input (stands in for seeded augmentation)."""
+    return {name: value + 0.01 * (ids % 3)[:, None, None] for name, value in batch.items()}
+
+
+@pytest.mark.parametrize("cache,preprocess", [("memory", None), ("disk", None), ("memory", _shift_by_id)])
+def test_a_model_with_a_dict_of_inputs_trains_on_cached_activations(mnist1d_small, cache, preprocess, tmp_path):
+    x, y, x_test, y_test = mnist1d_small
+    inputs = lambda a: {"signal": a, "parity": a[:, ::-1] * 0.5}  # noqa: E731
+    runs = []
+    for mode in (None, cache):
+        keras.utils.set_random_seed(0)
+        model = _two_input_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = fit_with_cache(model, inputs(x[:512]), y[:512], epochs=4, batch_size=64, cache=mode,
+                                    cache_dir=str(tmp_path), freezer=_freezeout(freeze_start=0.0, freeze_level=1.0),
+                                    validation_data=(inputs(x_test[:128]), y_test[:128]), preprocess=preprocess,
+                                    verbose=0)
+        assert not [w for w in caught if "structure" in str(w.message).lower()]
+        runs.append((model, result))
+    (base, _), (cached, result) = runs
+    assert max(p["cached_modules"] for p in result["phases"]) >= 1, result["phases"]
+    assert len(result["history"]["val_loss"]) == 4
+    for a, b in zip(base.weights, cached.weights):
+        np.testing.assert_allclose(b.numpy(), a.numpy(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"`x`: the inputs' first dimensions differ: \[100, 512\]"):
+        fit_with_cache(_two_input_model(), {"signal": x[:512], "parity": x[:100]}, y[:512], epochs=1,
+                       freezer=_freezeout())
+
+
 def test_an_optimizer_with_moving_averages_is_refused_before_training(mnist1d_small):
     x, y = mnist1d_small[0][:64], mnist1d_small[1][:64]
     model = small_resnet()

@@ -138,12 +138,13 @@ class ActivationCache:
     Args:
         model: the whole model.
         modules: its modules, front to back.
-        x: training inputs (NumPy array).
+        x: training inputs: a NumPy array, or a list/dict of them (a model
+            with several inputs).
         mode: `"memory"` or `"disk"` (a NumPy memory map in `directory`).
         dtype: storage dtype; `"float16"`/`"bfloat16"` halve the size.
         directory: where `"disk"` caches go (default: a temporary folder).
         preprocess: deterministic `fn(x_batch, ids) -> x_batch` applied
-            before the prefix.
+            before the prefix (`x_batch` structured as `x`).
         batch_size: examples per forward pass while building.
 
     Attributes:
@@ -172,7 +173,7 @@ class ActivationCache:
 
     @property
     def num_examples(self) -> int:
-        return len(self.x)
+        return _structures.num_examples(self.x)
 
     def _shape(self, level: int) -> tuple:
         return tuple(self.modules[level - 1].output_layer.output.shape[1:])
@@ -222,7 +223,7 @@ class ActivationCache:
             yield np.arange(start, min(n, start + self.batch_size))
 
     def _raw_inputs(self, x, ids):
-        batch = x[ids]
+        batch = _structures.take(x, ids)
         return self.preprocess(batch, ids) if self.preprocess is not None else batch
 
     def _fill_memory(self, sub, begin, level):
@@ -323,22 +324,34 @@ def _array_gather(array: np.ndarray) -> Callable:
     return gather
 
 
+def _structure_gather(structure) -> Callable:
+    """`ids -> structure[ids]` for an array or a list/dict of them (`_array_gather` on each)."""
+    gathers = keras.tree.map_structure(_array_gather, structure)
+    return lambda ids: keras.tree.map_structure(lambda gather: gather(ids), gathers)
+
+
 def _numpy_gather(fn: Callable, shape: Sequence[int] | None = None) -> Callable:
-    """`ids -> fn(ids)` for a NumPy function (a file-backed cache, per-example preprocessing)."""
+    """`ids -> fn(ids)` for a NumPy function (a file-backed cache, per-example preprocessing).
+
+    Without `shape`, `fn` may return a list/dict of arrays; one call on one
+    id gives their structure, shapes and dtypes.
+    """
     if shape is None:
-        sample = np.asarray(fn(np.arange(1)))
-        shape = sample.shape[1:]
-        dtype = tf.float32 if sample.dtype.kind == "f" else tf.as_dtype(sample.dtype)
+        sample = keras.tree.map_structure(np.asarray, fn(np.arange(1)))
     else:
-        dtype = tf.float32
+        sample = np.zeros((1, *shape), np.float32)
+    leaves = keras.tree.flatten(sample)
+    dtypes = [tf.float32 if a.dtype.kind == "f" else tf.as_dtype(a.dtype) for a in leaves]
 
     def call(batch_ids):
-        return np.asarray(fn(batch_ids)).astype(dtype.as_numpy_dtype)
+        flat = keras.tree.flatten(fn(batch_ids))
+        return [np.asarray(a).astype(d.as_numpy_dtype) for a, d in zip(flat, dtypes)]
 
     def gather(ids):
-        x = tf.numpy_function(call, [ids], dtype, stateful=False)
-        x.set_shape((None, *shape))
-        return x
+        flat = tf.numpy_function(call, [ids], dtypes, stateful=False)
+        for tensor, a in zip(flat, leaves):
+            tensor.set_shape((None, *a.shape[1:]))
+        return keras.tree.pack_sequence_as(sample, flat)
 
     return gather
 
@@ -355,10 +368,7 @@ def cached_dataset(num_examples, epochs, seed, batch_size, gather, labels):
     splits = tf.constant(np.asarray(bounds + [len(ids)], np.int64))
     ids_t = tf.Variable(ids, trainable=False, name="example_ids")
     # One array, or a list/dict of them (a model with several outputs).
-    label_gathers = keras.tree.map_structure(_array_gather, labels)
-
-    def labels_of(batch_ids):
-        return keras.tree.map_structure(lambda gather_labels: gather_labels(batch_ids), label_gathers)
+    labels_of = _structure_gather(labels)
 
     def load(i):
         batch_ids = ids_t[splits[i] : splits[i + 1]]
@@ -373,7 +383,7 @@ def cached_dataset(num_examples, epochs, seed, batch_size, gather, labels):
     return dataset.with_options(options)
 
 
-def epoch_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int, seed: int | None) -> tf.data.Dataset:
+def epoch_dataset(x, y, *, epochs: int, batch_size: int, seed: int | None) -> tf.data.Dataset:
     """All `epochs` of `(x, y)` as one finite dataset, each epoch in `epoch_order`.
 
     The pipeline `fit_with_cache` trains its uncached phase on, for a plain
@@ -388,7 +398,8 @@ def epoch_dataset(x: np.ndarray, y: np.ndarray, *, epochs: int, batch_size: int,
     >>> data = epoch_dataset(x, y, epochs=3, batch_size=32, seed=0)
     >>> model.fit(data, epochs=3, steps_per_epoch=-(-len(y) // 32), shuffle=False)
     """
-    return cached_dataset(len(y), range(epochs), seed, batch_size, _array_gather(np.asarray(x)), np.asarray(y))
+    x, y = keras.tree.map_structure(np.asarray, x), keras.tree.map_structure(np.asarray, y)
+    return cached_dataset(_structures.num_examples(y), range(epochs), seed, batch_size, _structure_gather(x), y)
 
 
 class _EndPhaseOnPrefixChange(keras.callbacks.Callback):
@@ -482,11 +493,16 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
             "their moving averages at the end of every `fit`, and fit_with_cache trains in several. "
             "Use `model.fit` with the freezing callback, or an optimizer without `use_ema`."
         )
-    if isinstance(x, tf.data.Dataset) or not hasattr(x, "__len__") or not hasattr(x, "shape"):
+    leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
+    if isinstance(x, tf.data.Dataset) or not leaves or not all(hasattr(a, "shape") and np.ndim(a) for a in leaves):
         raise ValueError(
-            "`x` must be a NumPy array: caching keys activations by example id, which a "
-            f"tf.data pipeline does not expose. Received: {type(x).__name__}"
+            "`x` must be a NumPy array, or a list/dict of them (one per model input): caching keys "
+            f"activations by example id, which a tf.data pipeline does not expose. Received: {type(x).__name__}"
         )
+    try:
+        examples = _structures.num_examples(x)
+    except ValueError as err:
+        raise ValueError(f"`x`: {str(err)[:1].lower() + str(err)[1:]}") from err
     try:
         rows = _structures.num_examples(y)
         got = f"{rows} rows"
@@ -494,9 +510,9 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
         rows, got = None, str(err)[:1].lower() + str(err)[1:].rstrip(".")
     except (TypeError, IndexError):
         rows, got = None, type(y).__name__
-    if rows != len(x):
+    if rows != examples:
         raise ValueError(
-            f"`y` must be a NumPy array, or a list/dict of them (one per output), of {len(x)} rows as `x`; got {got}"
+            f"`y` must be a NumPy array, or a list/dict of them (one per output), of {examples} rows as `x`; got {got}"
         )
     check_positive_int("epochs", epochs)
     check_positive_int("batch_size", batch_size)
@@ -512,7 +528,7 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
     if not isinstance(cache_budget, (int, float)) or cache_budget <= 0:
         raise ValueError(f"`cache_budget` must be a positive number of bytes. Received: {cache_budget!r}")
     if validation_data is not None and (not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2):
-        raise ValueError("`validation_data` must be `(x_val, y_val)` NumPy arrays.")
+        raise ValueError("`validation_data` must be `(x_val, y_val)`: NumPy arrays, or lists/dicts of them as `x` and `y`.")
 
 
 def _choose_mode(cache, estimate, budget, directory) -> tuple[str | None, str | None]:
@@ -555,8 +571,9 @@ def fit_with_cache(
 
     Args:
         model: a compiled Functional or Sequential model.
-        x, y: training inputs (a NumPy array) and targets (a NumPy array,
-            or a list/dict of them for a model with several outputs).
+        x, y: training inputs (a NumPy array, or a list/dict of them for a
+            model with several inputs) and targets (a NumPy array, or a
+            list/dict of them for a model with several outputs).
         epochs, batch_size: as for `model.fit`.
         freezer: the freezing callback that decides what freezes
             (usually `EgeriaCallback()`); None trains without freezing.
@@ -568,7 +585,8 @@ def fit_with_cache(
         cache_dir: folder of `"disk"` caches (default: a temporary folder,
             removed at the end).
         preprocess: deterministic `fn(x_batch, example_ids) -> x_batch`
-            (stateless augmentation with per-example seeds).
+            (stateless augmentation with per-example seeds; `x_batch` is
+            structured as `x`).
         validation_data: `(x_val, y_val)`, evaluated at each epoch end.
         callbacks: more Keras callbacks (they see the model being fit: the
             whole model before the first cached phase, then the suffix).
@@ -585,7 +603,8 @@ def fit_with_cache(
     >>> result.phases
     """
     _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_budget, validation_data)
-    x, y = np.asarray(x), keras.tree.map_structure(np.asarray, y)
+    x, y = keras.tree.map_structure(np.asarray, x), keras.tree.map_structure(np.asarray, y)
+    num_examples = _structures.num_examples(x)
     if freezer is None:
         cache = None  # nothing freezes, so nothing is cached
     modules = (freezer.modules if freezer is not None else None) or partition_modules(
@@ -600,7 +619,7 @@ def fit_with_cache(
             raise ValueError(f"Cannot cache: {message}.")
         warnings.warn(f"fit_with_cache: {message}; training without a cache.", stacklevel=2)
         cache = None
-    largest = max(cache_bytes(len(x), m.output_layer.output.shape[1:], cache_dtype) for m in modules[:-1])
+    largest = max(cache_bytes(num_examples, m.output_layer.output.shape[1:], cache_dtype) for m in modules[:-1])
     mode, message = _choose_mode(cache, largest, cache_budget, cache_dir)
     if message:
         warnings.warn(f"fit_with_cache: {message}.", stacklevel=2)
@@ -610,11 +629,11 @@ def fit_with_cache(
     store = ActivationCache(model, modules, x, mode=mode or "memory", dtype=cache_dtype,
                             directory=cache_dir, preprocess=preprocess,
                             batch_size=max(batch_size, 256))
-    steps = int(math.ceil(len(x) / batch_size))
-    raw = _array_gather(x) if preprocess is None else _numpy_gather(lambda ids: store._raw_inputs(x, ids))
+    steps = int(math.ceil(num_examples / batch_size))
+    raw = _structure_gather(x) if preprocess is None else _numpy_gather(lambda ids: store._raw_inputs(x, ids))
     # Validation inputs get their own cache, extended alongside the training one.
     val_store = None if validation_data is None else ActivationCache(
-        model, modules, np.asarray(validation_data[0]), mode=store.mode, dtype=cache_dtype, directory=cache_dir,
+        model, modules, keras.tree.map_structure(np.asarray, validation_data[0]), mode=store.mode, dtype=cache_dtype, directory=cache_dir,
         batch_size=store.batch_size)
     history, phases = {}, []
     epoch, suffixes = 0, {}
@@ -647,7 +666,7 @@ def fit_with_cache(
                 "cache_action": action if mode is not None else "off",
                 "cache_bytes": store.nbytes if level_cached else 0,
             })
-            data = cached_dataset(len(x), range(epoch, epochs), seed, batch_size, features, y)
+            data = cached_dataset(num_examples, range(epoch, epochs), seed, batch_size, features, y)
             stopper = _EndPhaseOnPrefixChange(freezer, level, epochs) if mode is not None else None
             result = target.fit(
                 data, epochs=epochs, initial_epoch=epoch, steps_per_epoch=steps, validation_data=val,
