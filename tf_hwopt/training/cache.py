@@ -501,13 +501,13 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
         )
     try:
         examples = _structures.num_examples(x)
-    except ValueError as err:
-        raise ValueError(f"`x`: {str(err)[:1].lower() + str(err)[1:]}") from err
+    except ValueError as err:  # "The inputs' first dimensions differ: [...]."
+        raise ValueError(f"`x`: {_lower_first(err)}.") from err
     try:
         rows = _structures.num_examples(y)
         got = f"{rows} rows"
-    except ValueError as err:  # "The inputs' first dimensions differ: [...]"
-        rows, got = None, str(err)[:1].lower() + str(err)[1:].rstrip(".")
+    except ValueError as err:
+        rows, got = None, _lower_first(err)
     except (TypeError, IndexError):
         rows, got = None, type(y).__name__
     if rows != examples:
@@ -528,7 +528,15 @@ def _check(model, x, y, epochs, batch_size, freezer, cache, cache_dtype, cache_b
     if not isinstance(cache_budget, (int, float)) or cache_budget <= 0:
         raise ValueError(f"`cache_budget` must be a positive number of bytes. Received: {cache_budget!r}")
     if validation_data is not None and (not isinstance(validation_data, (tuple, list)) or len(validation_data) != 2):
-        raise ValueError("`validation_data` must be `(x_val, y_val)`: NumPy arrays, or lists/dicts of them as `x` and `y`.")
+        raise ValueError(
+            "`validation_data` must be `(x_val, y_val)`: NumPy arrays, or lists/dicts of them as `x` and `y`."
+        )
+
+
+def _lower_first(err: Exception) -> str:
+    """An error's message as the tail of a sentence: lowercase first letter, no final period."""
+    text = str(err).rstrip(".")
+    return text[:1].lower() + text[1:]
 
 
 def _choose_mode(cache, estimate, budget, directory) -> tuple[str | None, str | None]:
@@ -633,8 +641,8 @@ def fit_with_cache(
     raw = _structure_gather(x) if preprocess is None else _numpy_gather(lambda ids: store._raw_inputs(x, ids))
     # Validation inputs get their own cache, extended alongside the training one.
     val_store = None if validation_data is None else ActivationCache(
-        model, modules, keras.tree.map_structure(np.asarray, validation_data[0]), mode=store.mode, dtype=cache_dtype, directory=cache_dir,
-        batch_size=store.batch_size)
+        model, modules, keras.tree.map_structure(np.asarray, validation_data[0]), mode=store.mode,
+        dtype=cache_dtype, directory=cache_dir, batch_size=store.batch_size)
     history, phases = {}, []
     epoch, suffixes = 0, {}
     if freezer is not None:
