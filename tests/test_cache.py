@@ -84,6 +84,29 @@ def test_a_run_with_and_without_the_cache_ends_with_equal_weights(mnist1d_small)
     assert cached.count_params() == base.count_params() and all(layer.trainable for layer in cached.layers)
 
 
+def test_held_freezes_under_the_cache_weigh_the_train_function_rebuild_alone(mnist1d_small, monkeypatch):
+    # The cache grows module by module: a freeze's forward passes cost the same held or not,
+    # so holding a freeze shares only the train function's rebuild.
+    from tf_hwopt.freezing import callback as callback_module
+
+    x, y = mnist1d_small[0][:1024], mnist1d_small[1][:1024]
+    freezer = FreezeOutCallback(verbose=0, freeze_start=0.0, freeze_level=1.0)
+    freezer.HOLDS_UNPAID_FREEZES = True
+    asked, release = [], callback_module.releases_held_freezes
+
+    def spy(held, **kwargs):
+        asked.append((kwargs["rebuild_seconds"], freezer._rebuild_estimate(cache=False), freezer._rebuild_estimate()))
+        return release(held, **kwargs)
+
+    monkeypatch.setattr(callback_module, "releases_held_freezes", spy)
+    # A re-trace taken as cheap as on a big run's scale, so that this short fit's freezes can pay.
+    monkeypatch.setattr(FreezeOutCallback, "_rebuild_stand_in", lambda self: 0.01)
+    fit_with_cache(compile_model(small_resnet()), x, y, epochs=3, batch_size=64, freezer=freezer, cache="memory",
+                   verbose=0)
+    assert asked
+    assert all(given == train_function < with_cache for given, train_function, with_cache in asked), asked
+
+
 def test_under_the_cache_a_freeze_counts_the_cache_rebuild(mnist1d_small):
     """The holds and the stop rule count a freeze's cache rebuild: an epoch of the prefix's forward passes."""
     x, y = mnist1d_small[0][:1024], mnist1d_small[1][:1024]

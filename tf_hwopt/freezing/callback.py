@@ -481,11 +481,12 @@ class FreezingCallback(keras.callbacks.Callback):
         scale = 1.0 if self._saving_scale is None else self._saving_scale
         return [scale * share for share in shares]
 
-    def _rebuild_estimate(self) -> float:
+    def _rebuild_estimate(self, cache: bool = True) -> float:
         """Seconds the next freeze's rebuild costs: the train function's (the one timed, else the stand-in),
-        and under `fit_with_cache` the cache's (`cache_rebuild_seconds`, for the prefix up to the candidate)."""
+        and under `fit_with_cache` (unless `cache=False`) the cache's (`cache_rebuild_seconds`, for the
+        prefix up to the candidate)."""
         rebuild = self._rebuild_seconds if self._rebuild_seconds is not None else self._rebuild_stand_in()
-        if not self.rebuilds_cache:
+        if not (cache and self.rebuilds_cache):
             return rebuild
         step_seconds = self._step_seconds()
         share = self._flops_share(range(min(self.policy.num_frozen, self.policy.max_frozen - 1) + 1))
@@ -658,7 +659,9 @@ class FreezingCallback(keras.callbacks.Callback):
                 step=self._step,
                 step_seconds=step_seconds,
                 total_steps=total,
-                rebuild_seconds=self._rebuild_estimate(),
+                # The train function's rebuild alone: the cache is extended module
+                # by module, so its forward passes cost the same held or not.
+                rebuild_seconds=self._rebuild_estimate(cache=False),
                 next_freeze_step=next_step,
             )
         if not released:
