@@ -505,6 +505,23 @@ def _fit_seeing_the_first_epochs_last_batch(egeria, mnist1d_small, see) -> list:
     return seen
 
 
+def _background_builds_done_after(monkeypatch, polls: int) -> None:
+    """A background reference build reports itself unfinished for its first `polls` polls, then waits
+    for its thread and reports done: when it is taken no longer depends on the host's speed."""
+    from tf_hwopt.egeria.reference import ReferenceBuild
+
+    real_done, seen = ReferenceBuild.done, {}
+
+    def done(self):
+        seen[id(self)] = seen.get(id(self), 0) + 1
+        if seen[id(self)] <= polls:
+            return False
+        self.cancel()  # waits for the thread
+        return real_done(self)
+
+    monkeypatch.setattr(ReferenceBuild, "done", done)
+
+
 @pytest.mark.parametrize("second_trace_slow", [False, True])
 @pytest.mark.parametrize("decides", ["step_back", "deferral"])
 def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
@@ -543,34 +560,62 @@ def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
         assert built_in_first_epoch == [not second_trace_slow]
 
 
-@pytest.mark.parametrize("short_build", [False, True])
-def test_a_short_build_is_done_at_once_and_a_deferred_one_gives_no_cost_estimate(
-    mnist1d_small, monkeypatch, short_build
+@pytest.mark.parametrize("when", ["at_once", "background", "epoch_end_long", "epoch_end_clone"])
+def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_cost_estimate_until_done(
+    mnist1d_small, monkeypatch, when
 ):
     """A reference the pre-flight estimates at most `_MID_EPOCH_BUILD_SECONDS` to build is built
-    at once; a longer one waits for the epoch end, and the evaluations due meanwhile measure
-    nothing, so they give the stop rule no (zero) evaluation cost."""
-    import tf_hwopt.egeria.callback as egeria_callback
+    at once, on the training thread. A longer one that should end before the epoch does is built on
+    a background thread while the steps go on (TFMOT's path) and taken at the first evaluation
+    after it is done, mid-epoch; one that should not, and the int8-weights clone (which reads the
+    training model), wait for the epoch end. The evaluations due while a build runs or waits
+    measure nothing, so they give the stop rule no (zero) cost."""
+    import threading
 
-    # The estimate is 0 s (free build, as above); the threshold decides.
-    monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", 0.0)
-    monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", 1.5 if short_build else -1.0)
+    import tf_hwopt.egeria.callback as egeria_callback
+    import tf_hwopt.egeria.reference as reference
+
+    # The estimate is 0 s (free build, as above; or 1e9 s, and any build pays): the thresholds decide.
+    monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", 1e9 if when == "epoch_end_long" else 0.0)
+    monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", 1.5 if when == "at_once" else -1.0)
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
-    egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
-    seen = _fit_seeing_the_first_epochs_last_batch(
-        egeria,
-        mnist1d_small,
-        lambda: (egeria.reference is not None, egeria.evaluations, list(egeria._evaluation_costs),
-                 egeria.evaluation_stopped),
-    )
-    built, evaluations, costs, stopped = seen[0]
-    assert evaluations >= 10 and stopped is None  # the pre-flight, then one evaluation every 2 steps
-    assert built == short_build
-    if short_build:
-        assert costs  # real evaluations followed the build
-    else:
-        assert costs == []
+    monkeypatch.setattr(egeria_callback.EgeriaCallback, "_repays", lambda self, *args, **kwargs: True)
+    _background_builds_done_after(monkeypatch, polls=3)
+    threads = []
+    real_init = reference._TfmotReference.__init__
+
+    def init(self, *args, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(reference._TfmotReference, "__init__", init)
+    egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0,
+                                     reference="int8-weights" if when == "epoch_end_clone" else "auto")
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    seen = []  # per step of the first epoch: (built, in flight, cost samples, evaluations)
+
+    class _FirstEpoch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if egeria._step <= 32:
+                seen.append((egeria.reference is not None, egeria._build_in_flight is not None,
+                             len(egeria._evaluation_costs), egeria.evaluations))
+
+    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _FirstEpoch()], verbose=0)
+    assert seen[-1][3] >= 10  # by step 32: the pre-flight, then one evaluation every 2 steps
+    waiting = [costs for built, _, costs, _ in seen if not built]
+    assert waiting and not any(waiting)  # no cost sample before the reference exists
     assert egeria.reference is not None  # built at the first epoch end at the latest
+    if when.startswith("epoch_end"):
+        assert not seen[-1][0] and not any(in_flight for _, in_flight, _, _ in seen)
+        return
+    assert seen[-1][0] and seen[-1][2] > 0  # built mid-epoch; real evaluations followed
+    if when == "at_once":
+        assert threads == [True] and not any(in_flight for _, in_flight, _, _ in seen)
+    else:
+        assert threads == [False] and egeria.reference.path == "tfmot"
+        in_flight = [evaluations for _, flying, _, evaluations in seen if flying]
+        assert max(in_flight) - min(in_flight) >= 3  # evaluations went on while it was built (3 polls)
 
 
 def test_budget_docstring_examples_hold():

@@ -1,8 +1,10 @@
+import threading
+
 import keras
 import numpy as np
 import pytest
 
-from tf_hwopt.egeria import Reference, quantize_int8_per_channel, sp_loss
+from tf_hwopt.egeria import Reference, ReferenceBuild, ReferenceUnavailable, quantize_int8_per_channel, sp_loss
 from tf_hwopt.freezing import ActivationReader, partition_modules
 from tf_hwopt.models import resnet1d
 from conftest import SmallSubclassed
@@ -159,6 +161,62 @@ def test_one_call_read_and_refresh_ranges_the_input_and_skips_shared_layers(rng,
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     for a, b in zip(one_call.activations(), snapshot.activations()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_reference_built_in_the_background_while_the_model_trains_equals_one_built_at_once(rng, monkeypatch):
+    """`ReferenceBuild` takes the weights and the expected outputs on the calling thread and rebuilds and
+    quantizes on a background thread, while training changes the weights: refreshed from the same
+    weights, its reference computes what a reference built at once computes."""
+    import tf_hwopt.egeria.reference as reference
+
+    keras.utils.set_random_seed(4)
+    model = resnet1d(widths=(8, 8, 8), strides=(1, 2, 1), stem_width=8)
+    model.compile("adam", "mse")
+    x = rng.rand(32, 40, 1).astype(np.float32)
+    layers = [m.output_layer for m in partition_modules(model)]
+    threads = []
+    real_init = reference._TfmotReference.__init__
+
+    def init(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(reference._TfmotReference, "__init__", init)
+    build = ReferenceBuild(model, layers, x, asynchronous=False, cover=2)
+    before = [v.numpy() for v in model.trainable_weights]
+    model.fit(x, rng.rand(32, 10).astype(np.float32), epochs=2, verbose=0)  # the weights change meanwhile
+    assert not all(np.array_equal(a, v.numpy()) for a, v in zip(before, model.trainable_weights))
+    background = build.result(model)
+    at_once = Reference(model, layers, x, asynchronous=False, cover=2)
+    assert threads[0].startswith("egeria-reference-build") and threads[1] == threading.current_thread().name
+    assert background.path == "tfmot" and background.covered_modules == at_once.covered_modules == 3
+    assert not build.failed and build.thread_seconds > 0 and background.build_seconds >= build.thread_seconds
+    for ref in (background, at_once):
+        ref.submit_refresh(model, (0, 1, 2))
+    for a, b in zip(background.activations(), at_once.activations()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["auto", "tfmot"])
+def test_a_background_build_that_tfmot_cannot_take_falls_back_on_the_calling_thread(rng, mode):
+    """TFMOT's path fails on a subclassed model: the background build says so (`failed`), and `result()`
+    builds the int8-weights clone (mode "auto", with the cause) or raises (mode "tfmot")."""
+    model = SmallSubclassed()
+    x = rng.rand(8, 10, 1).astype(np.float32)
+    model(x)
+    layers = [m.output_layer for m in partition_modules(model, [["conv"], ["flat", "out"]], sample_input=x)]
+    build = ReferenceBuild(model, layers, x, asynchronous=False, mode=mode)
+    build.cancel()  # waits for the background part
+    assert build.done() and build.failed
+    if mode == "tfmot":
+        with pytest.raises(ReferenceUnavailable, match="TFMOT reference .forced. failed: subclassed"):
+            build.result(model)
+        return
+    with pytest.warns(UserWarning, match="clone with int8 weights"):
+        ref = build.result(model)
+    assert ref.path == "int8-weights" and "subclassed" in ref.reason
+    with pytest.raises(ValueError, match="`mode` must be 'auto' or 'tfmot'"):
+        ReferenceBuild(model, layers, x, mode="int8-weights")
 
 
 def test_fallback_for_subclassed_model_is_reported(rng):

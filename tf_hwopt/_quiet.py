@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import warnings
 
 
@@ -58,8 +59,15 @@ def import_tensorflow_quietly() -> None:
 
 
 def import_tf_keras_quietly():
-    """Imports tf_keras and TFMOT (which re-register TensorFlow's C++ logging)."""
-    with stderr_silenced() if "tf_keras" not in sys.modules else contextlib.nullcontext():
+    """Imports tf_keras and TFMOT (which re-register TensorFlow's C++ logging).
+
+    Off the main thread (a reference built while training goes on) file
+    descriptor 2 is left alone: silencing it would hide what the main thread
+    prints meanwhile, and with TensorFlow imported already these imports
+    print nothing (Keras 3.15 / TF 2.21).
+    """
+    quiet = "tf_keras" not in sys.modules and threading.current_thread() is threading.main_thread()
+    with stderr_silenced() if quiet else contextlib.nullcontext():
         import tf_keras
         import tensorflow_model_optimization as tfmot
     return tf_keras, tfmot

@@ -13,7 +13,7 @@ from tf_hwopt.egeria.callback import EgeriaCallback
 from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.plot import plot
 from tf_hwopt.egeria.policy import EgeriaPolicy, relative_slope
-from tf_hwopt.egeria.reference import Reference, ReferenceUnavailable, quantize_int8_per_channel
+from tf_hwopt.egeria.reference import Reference, ReferenceBuild, ReferenceUnavailable, quantize_int8_per_channel
 
 # Kept importable from here (they moved to the freezing core, the peers and the drivers).
 from tf_hwopt.freezing import (  # noqa: F401

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tf_hwopt._checks import check_positive_int
 from tf_hwopt.egeria.plasticity import sp_loss
 from tf_hwopt.egeria.policy import EgeriaPolicy
-from tf_hwopt.egeria.reference import REFERENCE_MODES, Reference, ReferenceUnavailable
+from tf_hwopt.egeria.reference import REFERENCE_MODES, Reference, ReferenceBuild, ReferenceUnavailable
 from tf_hwopt.freezing.budget import stretched_interval
 from tf_hwopt.freezing.callback import FreezingCallback
 from tf_hwopt.freezing.probe import ActivationReader
@@ -38,12 +38,14 @@ _EVALUATION_PER_READ = 4.0
 # ResNet, 0.96 s / 0.28 s = 3.4x on charlm. The higher one: a build that
 # cannot be repaid costs 5-10% of a fine-tuning run (finetune-mnist1d).
 _BUILD_PER_TRACE = 15.0
-# The longest build (as the pre-flight estimates it) that runs mid-epoch when
-# one-off work waits for the epoch end (`freeze_at="epoch_end"`): pauses of
-# 1.5 s did not stall the epoch's tf.data iterator (0 of 4), pauses of 3.3 s
-# did (2 of 4; docs/egeria.md). Built at once, the reference's window fills
-# during the bootstrap, and front modules converged by then freeze an epoch
-# sooner (the reference of a small model takes about a second).
+# The longest build (as the pre-flight estimates it) that runs mid-epoch on
+# the training thread when one-off work waits for the epoch end
+# (`freeze_at="epoch_end"`): pauses of 1.5 s did not stall the epoch's
+# tf.data iterator (0 of 4), pauses of 3.3 s did (2 of 4; docs/egeria.md).
+# A longer one runs on a background thread while training goes on where it
+# should end before the epoch does (TFMOT's path), else at the epoch end. Built
+# mid-epoch, the reference's window fills during the bootstrap, and front
+# modules converged by then freeze an epoch sooner.
 _MID_EPOCH_BUILD_SECONDS = 1.5
 
 
@@ -118,12 +120,14 @@ class EgeriaCallback(FreezingCallback):
             probe batch's statistics just before it freezes, so that the
             frozen module computes what training computed (see
             `FreezingCallback._freeze`).
-        freeze_at: `"epoch_end"` (default): a freeze, the reference's build
-            and a refresh that quantizes a longer prefix, decided during an
-            epoch, happen at its end (at once in the last epoch, and a
-            reference whose build the pre-flight estimates at 1.5 s or less
-            at once); `"step"`: at once. Work that holds training up for
-            seconds mid-epoch made the next epoch start stall (docs/egeria.md).
+        freeze_at: `"epoch_end"` (default): a freeze and a refresh that
+            quantizes a longer prefix, decided during an epoch, happen at its
+            end (at once in the last epoch); the reference is built at once
+            where the pre-flight estimates its build at 1.5 s or less, else
+            on a background thread while training goes on where it should
+            end before the epoch does (TFMOT's path), else at the epoch end;
+            `"step"`: everything at once. Work that holds training up for seconds mid-epoch made the
+            next epoch start stall (docs/egeria.md).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your
@@ -198,6 +202,8 @@ class EgeriaCallback(FreezingCallback):
         self._build_pending = False
         self._refresh_pending = False
         self._refreshed_with_read = False
+        # The reference being built on a background thread, if any.
+        self._build_in_flight: ReferenceBuild | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -228,26 +234,43 @@ class EgeriaCallback(FreezingCallback):
         self.probe  # noqa: B018 - drawn now: bad probe data is an error before training time is spent
         self._readers = {}
 
-    def _build_reference(self) -> bool:
-        """Builds the reference model (at the first evaluation); False when Egeria stepped aside."""
+    def _reference_options(self) -> dict:
         last = self.policy.max_frozen - 1  # no module past the cap is ever measured
+        return dict(
+            asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
+            mode=self.reference_mode,
+            # Twice the measured prefix at once: each growth of the
+            # quantized prefix costs a rebuild and a trace (docs/egeria.md).
+            cover=min(2 * max(self._measured_modules(), default=0) + 1, last),
+            max_cover=last,
+        )
+
+    def _build_reference(self) -> bool:
+        """Builds the reference model (or takes the background build's); False when Egeria stepped aside."""
+        build, self._build_in_flight = self._build_in_flight, None
         try:
-            self.reference = Reference(
-                self.model,
-                [m.output_layer for m in self.modules],
-                self.probe,
-                asynchronous=_has_accelerator() if self.asynchronous == "auto" else self.asynchronous,
-                mode=self.reference_mode,
-                # Twice the measured prefix at once: each growth of the
-                # quantized prefix costs a rebuild and a trace (docs/egeria.md).
-                cover=min(2 * max(self._measured_modules(), default=0) + 1, last),
-                max_cover=last,
-            )
+            if build is None:
+                self.reference = Reference(
+                    self.model, [m.output_layer for m in self.modules], self.probe, **self._reference_options()
+                )
+            else:
+                self.reference = build.result(self.model)
         except ReferenceUnavailable as err:
             self._disable(f"no reference model: {err}")
             return False
         self.reference.refreshes = self._restored_refreshes
         return True
+
+    def _start_build(self, build: float | None) -> None:
+        """Builds the reference now, on a background thread, or at the epoch end, as `build`'s estimate says."""
+        if not self._build_waits(build):
+            self._build_reference()
+        elif self._builds_in_background(build):
+            self._build_in_flight = ReferenceBuild(
+                self.model, [m.output_layer for m in self.modules], self.probe, **self._reference_options()
+            )
+        else:
+            self._build_pending = True  # the clone reads the training model: on this thread, at the epoch end
 
     def _can_pay(self) -> tuple[bool, float | None]:
         """Before the reference is built: can evaluating pay at all in this fit?
@@ -285,8 +308,12 @@ class EgeriaCallback(FreezingCallback):
 
         pays, build, cost, interval, earliest = judge(trace, read)
         # Whether the build estimate decides: a step-back where a free build
-        # would pay, or a build put off to the epoch end.
-        build_decides = self._build_waits(build) if pays else judge(trace, read, build_counts=False)[0]
+        # would pay, or a build put off to the epoch end (one that runs in the
+        # background meanwhile loses no epoch: not worth a second trace).
+        if pays:
+            build_decides = self._build_waits(build) and not self._builds_in_background(build)
+        else:
+            build_decides = judge(trace, read, build_counts=False)[0]
         if build_decides:
             # A first trace can take ten times its usual time on a busy host
             # (finetune-mnist1d, 2026-12-07: 0.61 s against 0.07 s, a 9.2 s
@@ -309,6 +336,21 @@ class EgeriaCallback(FreezingCallback):
         self._say(f"{self.evaluation_stopped}.")
         return False, build
 
+    def _builds_in_background(self, build: float | None) -> bool:
+        """Whether a build estimated at `build` seconds, too long for a pause mid-epoch, runs meanwhile.
+
+        TFMOT's path reads only the model's configs and a snapshot taken on
+        the training thread: it can be built on a background thread while
+        training goes on, and is where the estimate says it ends before the
+        epoch does (no pause, and the window fills an epoch sooner; where the
+        epoch ends first, the epoch end comes as soon, without depending on
+        the host's speed). The int8-weights clone reads the training model.
+        """
+        step_seconds = self._step_seconds()
+        if self.reference_mode == "int8-weights" or build is None or not step_seconds or not self.steps_per_epoch:
+            return False
+        return build < (self.steps_per_epoch - self._last_batch - 1) * step_seconds
+
     def _build_waits(self, build: float | None) -> bool:
         """Whether a reference build estimated at `build` seconds waits for the epoch end (`freeze_at`)."""
         return self._defers_to_epoch_end() and (build is None or build > _MID_EPOCH_BUILD_SECONDS)
@@ -322,6 +364,10 @@ class EgeriaCallback(FreezingCallback):
         return max(build, super()._rebuild_stand_in())
 
     def _teardown(self) -> None:
+        if self._build_in_flight is not None:
+            # `fit` ended before the build did: the next `fit` starts afresh.
+            self._build_in_flight.cancel()
+            self._build_in_flight = None
         if self.reference is not None:
             self.reference.close()
 
@@ -346,19 +392,24 @@ class EgeriaCallback(FreezingCallback):
             # The first evaluation: the step time is known now. Build the
             # reference only if evaluating can pay (its first refresh follows),
             # at the epoch end if `freeze_at` says so (a build takes seconds).
-            if self._build_pending:
-                # Nothing measured: this no-op is no estimate of an evaluation's
-                # cost (a zero would unstretch the interval and let the stop
-                # rule judge with a free evaluation and no build to repay).
-                self._one_off_work = True
-                return None
+            # Nothing measured while a build waits or runs: this no-op is no
+            # estimate of an evaluation's cost (a zero would unstretch the
+            # interval and let the stop rule judge with a free evaluation and
+            # no build to repay).
             self._one_off_work = True
+            if self._build_pending:
+                return None
+            if self._build_in_flight is not None:
+                if self._build_in_flight.done():
+                    if self._build_in_flight.failed and self._defers_to_epoch_end():
+                        # TFMOT failed: the int8-weights clone, on this thread, at the epoch end.
+                        self._build_pending = True
+                    else:
+                        self._build_reference()  # its first refresh follows this evaluation
+                return None
             pays, build = self._can_pay()
             if pays:
-                if self._build_waits(build):
-                    self._build_pending = True
-                else:
-                    self._build_reference()
+                self._start_build(build)
             return None
         modules = self.reference.refreshed_modules if self.reference.ready() else ()
         if self.policy.num_frozen not in modules:

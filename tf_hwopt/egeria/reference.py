@@ -649,11 +649,30 @@ def _clone(model, probe_x):
     )
 
 
+def _float_state(model, probe_x) -> tuple[dict, object]:
+    """The model's weights and its outputs on the probe's head, taken together: the rebuild is checked against them."""
+    weights = _snapshot(model)
+    expected = keras.tree.map_structure(keras.ops.convert_to_numpy, model(_head(probe_x), training=False))
+    return weights, expected
+
+
+def _tfmot_reference(model, output_layers, probe_x, state, cover, max_cover) -> _TfmotReference:
+    """TFMOT's path: the model rebuilt as tf_keras from `state` (weights, expected outputs), its prefix quantized.
+
+    Reads nothing of `model` but its layer graph and configs: it may run on
+    a background thread while the model trains (`ReferenceBuild`).
+    """
+    impl = _TfmotReference(model, output_layers, probe_x, *state)
+    impl.extend(cover, max_cover)
+    return impl
+
+
 class Reference:
     """The int8 reference model, refreshed from the training model.
 
     The reference is built when the object is created, on the calling
-    thread, so that a model it cannot handle is known at once. With
+    thread, so that a model it cannot handle is known at once (or, while
+    training goes on, on a background thread: `ReferenceBuild`). With
     `mode="auto"`, any failure of the TFMOT path falls back to the
     int8-weights clone (the cause is kept in `reason`); `ReferenceUnavailable`
     is raised only when both fail, or when the forced path fails.
@@ -696,7 +715,9 @@ class Reference:
         mode: str = "auto",
         cover: int = 0,
         max_cover: int | None = None,
+        _tfmot_built: tuple | None = None,
     ):
+        # `_tfmot_built`: (reference, error, seconds) of TFMOT's path, built by `ReferenceBuild`.
         if mode not in REFERENCE_MODES:
             raise ValueError(f"`reference` must be one of {REFERENCE_MODES}. Received: reference={mode!r}")
         self._probe_x = probe_x
@@ -714,20 +735,21 @@ class Reference:
         # read_and_refresh's compiled function of each quantized prefix (None: not applicable).
         self.compiled: dict = {}
         start = time.perf_counter()
-        self._impl = self._build(model, self._output_layers, mode, cover)
-        self.build_seconds = time.perf_counter() - start
+        self._impl = self._build(model, self._output_layers, mode, cover, _tfmot_built)
+        self.build_seconds = time.perf_counter() - start + (_tfmot_built[2] if _tfmot_built else 0.0)
         self.work_seconds = self.build_seconds
 
-    def _build(self, model, output_layers, mode, cover):
+    def _build(self, model, output_layers, mode, cover, tfmot_built=None):
         tfmot_error = None
         if mode in ("auto", TFMOT_PATH):
             try:
-                weights = _snapshot(model)
-                expected = keras.tree.map_structure(
-                    keras.ops.convert_to_numpy, model(_head(self._probe_x), training=False)
-                )
-                impl = _TfmotReference(model, output_layers, self._probe_x, weights, expected)
-                impl.extend(cover, self._max_cover)
+                if tfmot_built is None:
+                    impl = _tfmot_reference(model, output_layers, self._probe_x, _float_state(model, self._probe_x),
+                                            cover, self._max_cover)
+                elif tfmot_built[1] is not None:
+                    raise tfmot_built[1]
+                else:
+                    impl = tfmot_built[0]
                 logger.info("Egeria reference model: %s (%s)", impl.path, impl.reason)
                 return impl
             except Exception as err:  # noqa: BLE001 - any failure of TFMOT's path falls back
@@ -868,6 +890,90 @@ class Reference:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+
+class ReferenceBuild:
+    """Builds a `Reference` on a background thread while training goes on.
+
+    For the TFMOT path only: the training model's weights and its outputs on
+    the probe (which the rebuild is checked against) are taken at once, on
+    the calling thread; the tf_keras rebuild, TFMOT's `quantize_apply` and
+    the check run on a background thread, which reads nothing of the
+    training model but its layer graph and configs, so training may update
+    the weights meanwhile. `result()` then makes the `Reference` on the
+    calling thread. With `mode="auto"`, where TFMOT's path failed (`failed`),
+    that is where the int8-weights clone is built (a clone reads the
+    training model, which only the training thread may do while it trains).
+
+    Args: as `Reference` (`mode` `"auto"` or `"tfmot"`).
+
+    Attributes:
+        thread_seconds: wall time of the background part (None while it runs).
+
+    Example:
+    >>> build = ReferenceBuild(model, [m.output_layer for m in modules], probe_x, cover=2)
+    >>> # ... training steps ...
+    >>> if build.done():
+    ...     ref = build.result(model)
+    """
+
+    def __init__(
+        self,
+        model,
+        output_layers: Sequence,
+        probe_x,
+        *,
+        asynchronous: bool = True,
+        mode: str = "auto",
+        cover: int = 0,
+        max_cover: int | None = None,
+    ):
+        if mode not in ("auto", TFMOT_PATH):
+            raise ValueError(f"`mode` must be 'auto' or 'tfmot' to build in the background. Received: mode={mode!r}")
+        self._output_layers = list(output_layers)
+        self._probe_x = probe_x
+        self._options = dict(asynchronous=asynchronous, mode=mode, cover=cover, max_cover=max_cover)
+        start = time.perf_counter()
+        state = _float_state(model, probe_x)
+        self._calling_seconds = time.perf_counter() - start
+        self.thread_seconds: float | None = None
+
+        def build() -> tuple:
+            start = time.perf_counter()
+            try:
+                built = _tfmot_reference(model, self._output_layers, probe_x, state, cover, max_cover), None
+            except Exception as err:  # noqa: BLE001 - handed to `Reference`, which falls back or reports
+                built = None, err
+            self.thread_seconds = time.perf_counter() - start
+            return built
+
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="egeria-reference-build")
+        self._future = executor.submit(build)
+        executor.shutdown(wait=False)  # the thread ends with the build
+
+    def done(self) -> bool:
+        """Whether the background part has finished (`result()` will not wait for it)."""
+        return self._future.done()
+
+    @property
+    def failed(self) -> bool:
+        """Whether TFMOT's path failed (`result()` then builds the clone, or raises with `mode="tfmot"`)."""
+        return self._future.done() and self._future.result()[1] is not None
+
+    def result(self, model) -> Reference:
+        """The `Reference` (waits for the background part); raises `ReferenceUnavailable` as `Reference` does."""
+        reference, error = self._future.result()
+        return Reference(
+            model,
+            self._output_layers,
+            self._probe_x,
+            **self._options,
+            _tfmot_built=(reference, error, self._calling_seconds + self.thread_seconds),
+        )
+
+    def cancel(self) -> None:
+        """Waits for the background part and drops it (a thread cannot be stopped)."""
+        concurrent.futures.wait([self._future])
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
