@@ -4,6 +4,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import keras
 import numpy as np
@@ -560,7 +561,7 @@ def test_a_decision_resting_on_a_slow_first_trace_is_confirmed_by_a_second(
         assert built_in_first_epoch == [not second_trace_slow]
 
 
-@pytest.mark.parametrize("when", ["at_once", "background", "epoch_end_long", "epoch_end_clone"])
+@pytest.mark.parametrize("when", ["at_once", "background", "epoch_end_long", "epoch_end_clone", "tfmot_fails"])
 def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_cost_estimate_until_done(
     mnist1d_small, monkeypatch, when
 ):
@@ -568,8 +569,9 @@ def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_
     at once, on the training thread. A longer one that should end before the epoch does is built on
     a background thread while the steps go on (TFMOT's path) and taken at the first evaluation
     after it is done, mid-epoch; one that should not, and the int8-weights clone (which reads the
-    training model), wait for the epoch end. The evaluations due while a build runs or waits
-    measure nothing, so they give the stop rule no (zero) cost."""
+    training model), wait for the epoch end, as does the clone where TFMOT's path failed in the
+    background. The evaluations due while a build runs or waits measure nothing, so they give the
+    stop rule no (zero) cost."""
     import threading
 
     import tf_hwopt.egeria.callback as egeria_callback
@@ -586,6 +588,8 @@ def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_
 
     def init(self, *args, **kwargs):
         threads.append(threading.current_thread() is threading.main_thread())
+        if when == "tfmot_fails":
+            raise reference._NotRebuildable("a layer TFMOT cannot take")
         real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(reference._TfmotReference, "__init__", init)
@@ -601,11 +605,20 @@ def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_
                 seen.append((egeria.reference is not None, egeria._build_in_flight is not None,
                              len(egeria._evaluation_costs), egeria.evaluations))
 
-    model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _FirstEpoch()], verbose=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(x[:1024], y[:1024], batch_size=32, epochs=8, callbacks=[egeria, _FirstEpoch()], verbose=0)
+    fallbacks = [w for w in caught if "clone with int8 weights" in str(w.message)]
     assert seen[-1][3] >= 10  # by step 32: the pre-flight, then one evaluation every 2 steps
     waiting = [costs for built, _, costs, _ in seen if not built]
     assert waiting and not any(waiting)  # no cost sample before the reference exists
     assert egeria.reference is not None  # built at the first epoch end at the latest
+    if when == "tfmot_fails":  # tried in the background; the clone built at the epoch end, with one warning
+        assert threads == [False] and any(in_flight for _, in_flight, _, _ in seen) and not seen[-1][0]
+        assert egeria.reference.path == "int8-weights" and "a layer TFMOT cannot take" in egeria.reference.reason
+        assert len(fallbacks) == 1
+        return
+    assert fallbacks == []
     if when.startswith("epoch_end"):
         assert not seen[-1][0] and not any(in_flight for _, in_flight, _, _ in seen)
         return

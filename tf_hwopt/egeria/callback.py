@@ -126,8 +126,8 @@ class EgeriaCallback(FreezingCallback):
             where the pre-flight estimates its build at 1.5 s or less, else
             on a background thread while training goes on where it should
             end before the epoch does (TFMOT's path), else at the epoch end;
-            `"step"`: everything at once. Work that holds training up for seconds mid-epoch made the
-            next epoch start stall (docs/egeria.md).
+            `"step"`: everything at once. Work that holds training up for
+            seconds mid-epoch made the next epoch start stall (docs/egeria.md).
         log_dir: if set, TensorBoard scalars are written there.
         backup_dir: if set, Egeria's state is saved there at each epoch end
             and restored when `fit` resumes (pass the `backup_dir` of your
@@ -270,7 +270,7 @@ class EgeriaCallback(FreezingCallback):
                 self.model, [m.output_layer for m in self.modules], self.probe, **self._reference_options()
             )
         else:
-            self._build_pending = True  # the clone reads the training model: on this thread, at the epoch end
+            self._build_pending = True  # the clone (it reads the training model), or longer than the epoch
 
     def _can_pay(self) -> tuple[bool, float | None]:
         """Before the reference is built: can evaluating pay at all in this fit?
