@@ -631,6 +631,43 @@ def test_a_short_build_is_done_at_once_a_long_one_meanwhile_and_neither_gives_a_
         assert max(in_flight) - min(in_flight) >= 3  # evaluations went on while it was built (3 polls)
 
 
+def test_a_fit_that_ends_before_its_background_build_drops_it_and_the_next_fit_starts_afresh(
+    mnist1d_small, monkeypatch
+):
+    """A background build still running when `fit` ends is waited for and dropped: no thread is left
+    behind, nothing half-built is kept, and the same callback builds its reference in the next `fit`."""
+    import threading
+
+    import tf_hwopt.egeria.callback as egeria_callback
+    from tf_hwopt.egeria.reference import ReferenceBuild
+
+    monkeypatch.setattr(egeria_callback, "_BUILD_PER_TRACE", 0.0)
+    monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", -1.0)  # every build in the background
+    monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
+    monkeypatch.setattr(egeria_callback.EgeriaCallback, "_repays", lambda self, *args, **kwargs: True)
+    real_done = ReferenceBuild.done
+    monkeypatch.setattr(ReferenceBuild, "done", lambda self: False)  # never finished within the first fit
+    x, y, _, _ = mnist1d_small
+    model = compile_model(small_resnet())
+    egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
+    started = []
+    real_init = ReferenceBuild.__init__
+
+    def init(self, *args, **kwargs):
+        started.append(egeria._step)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReferenceBuild, "__init__", init)
+    model.fit(x[:512], y[:512], batch_size=32, epochs=3, callbacks=[egeria], verbose=0)
+    assert len(started) == 1 and egeria.reference is None and egeria._build_in_flight is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("egeria-reference-build")]
+    assert egeria.summary()["status"] != "disabled"
+
+    monkeypatch.setattr(ReferenceBuild, "done", lambda self: (self.cancel(), real_done(self))[1])  # done when polled
+    model.fit(x[:512], y[:512], batch_size=32, epochs=3, callbacks=[egeria], verbose=0)
+    assert len(started) == 2 and egeria.reference is not None and egeria.reference.path == "tfmot"
+
+
 def test_budget_docstring_examples_hold():
     """The examples in the cost/benefit functions' docstrings are the numbers users read: keep them true."""
     import doctest

@@ -947,9 +947,11 @@ class ReferenceBuild:
             self.thread_seconds = time.perf_counter() - start
             return built
 
-        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="egeria-reference-build")
-        self._future = executor.submit(build)
-        executor.shutdown(wait=False)  # the thread ends with the build
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="egeria-reference-build"
+        )
+        self._future = self._executor.submit(build)
+        self._executor.shutdown(wait=False)  # the thread ends with the build
 
     def done(self) -> bool:
         """Whether the background part has finished (`result()` will not wait for it)."""
@@ -972,8 +974,8 @@ class ReferenceBuild:
         )
 
     def cancel(self) -> None:
-        """Waits for the background part and drops it (a thread cannot be stopped)."""
-        concurrent.futures.wait([self._future])
+        """Waits for the background part and its thread to end (a thread cannot be stopped)."""
+        self._executor.shutdown(wait=True)
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:
