@@ -511,14 +511,14 @@ def _background_builds_done_after(monkeypatch, polls: int) -> None:
     for its thread and reports done: when it is taken no longer depends on the host's speed."""
     from tf_hwopt.egeria.reference import ReferenceBuild
 
-    real_done, seen = ReferenceBuild.done, {}
+    seen = {}
 
     def done(self):
         seen[id(self)] = seen.get(id(self), 0) + 1
         if seen[id(self)] <= polls:
             return False
         self.cancel()  # waits for the thread
-        return real_done(self)
+        return self._future.done()
 
     monkeypatch.setattr(ReferenceBuild, "done", done)
 
@@ -645,8 +645,7 @@ def test_a_fit_that_ends_before_its_background_build_drops_it_and_the_next_fit_s
     monkeypatch.setattr(egeria_callback, "_MID_EPOCH_BUILD_SECONDS", -1.0)  # every build in the background
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_rebuild_stand_in", lambda self: 0.0)
     monkeypatch.setattr(egeria_callback.EgeriaCallback, "_repays", lambda self, *args, **kwargs: True)
-    real_done = ReferenceBuild.done
-    monkeypatch.setattr(ReferenceBuild, "done", lambda self: False)  # never finished within the first fit
+    _background_builds_done_after(monkeypatch, polls=10**9)  # never finished within the first fit
     x, y, _, _ = mnist1d_small
     model = compile_model(small_resnet())
     egeria = tf_hwopt.EgeriaCallback(eval_every=2, overhead_budget=0.9, bootstrap_steps=0, verbose=0)
@@ -663,7 +662,7 @@ def test_a_fit_that_ends_before_its_background_build_drops_it_and_the_next_fit_s
     assert not [t for t in threading.enumerate() if t.name.startswith("egeria-reference-build")]
     assert egeria.summary()["status"] != "disabled"
 
-    monkeypatch.setattr(ReferenceBuild, "done", lambda self: (self.cancel(), real_done(self))[1])  # done when polled
+    _background_builds_done_after(monkeypatch, polls=0)  # done when polled
     model.fit(x[:512], y[:512], batch_size=32, epochs=3, callbacks=[egeria], verbose=0)
     assert len(started) == 2 and egeria.reference is not None and egeria.reference.path == "tfmot"
 
